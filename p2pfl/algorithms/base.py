@@ -1,0 +1,128 @@
+"""The Algorithm seam: a local update rule, what goes on the wire, and how received payloads combine.
+
+Algorithms never open sockets, never know the transport and never read files: the Node hands
+them a peer's state, a bound model and the peer's data, and later the payloads its neighbours
+sent for (round, step) together with that step's mixing plan.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from p2pfl.data.loader import PeerData
+from p2pfl.messages import Message
+from p2pfl.models.layout import ParamLayout, TensorSpec
+from p2pfl.topology import MixingPlan
+
+
+class HyperparameterError(ValueError):
+    """An algorithm was given an unknown or invalid hyperparameter."""
+
+
+@dataclass
+class PeerState:
+    """Everything one peer owns between rounds, as tensors (checkpointable, no pickle).
+
+    ``params`` is the flat ``[shared | personal]`` buffer of the model (see ParamLayout);
+    ``extra`` holds algorithm state such as ADMM duals or DisPFL masks; ``scalars`` holds
+    scalar state such as the push-sum weight.
+    """
+
+    peer_id: str
+    params: torch.Tensor
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, float] = field(default_factory=dict)
+    round: int = 0  # the next round to run
+
+
+@dataclass
+class TrainContext:
+    """What an algorithm may use to train one peer for one round."""
+
+    model: nn.Module  # parameters bound (as views) to state.params
+    layout: ParamLayout
+    data: PeerData
+    generator: torch.Generator  # this peer's own randomness (minibatch order)
+    device: torch.device
+
+
+class Algorithm(ABC):
+    """Base class. Subclasses set ``name``, ``defaults`` and implement ``local_update``.
+
+    ``shares`` says what goes on the wire: ``"shared"`` (the body; personalized methods) or
+    ``"all"`` (the whole model; full-sharing baselines). ``mode`` is the mixing mode the
+    topology plans with: ``"pull"`` (row-stochastic) or ``"push"`` (column-stochastic, push-sum).
+    """
+
+    name: ClassVar[str]
+    shares: ClassVar[str] = "shared"
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, hp: dict[str, Any], layout: ParamLayout) -> None:
+        allowed = set(self.defaults) | {"preset"}
+        unknown = set(hp) - allowed
+        if unknown:
+            raise HyperparameterError(
+                f"{self.name}: unknown hyperparameters {sorted(unknown)} (allowed: {sorted(allowed - {'preset'})})"
+            )
+        self.hp: dict[str, Any] = {**self.defaults, **{k: v for k, v in hp.items() if k != "preset"}}
+        self.layout = layout
+        self.validate()
+
+    # -- configuration ---------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check hyperparameters; raise HyperparameterError naming the bad one."""
+        for key in ("lr", "lr_head", "lr_body"):
+            if key in self.hp and not float(self.hp[key]) > 0:
+                raise HyperparameterError(f"{self.name}: {key} must be > 0")
+
+    @property
+    def mode(self) -> str:
+        return "pull"
+
+    def gossip_steps(self) -> int:
+        """Number of exchanges per round (0: no communication)."""
+        return 1
+
+    def lr(self, key: str, round: int) -> float:
+        """Learning rate ``key`` at ``round`` with the per-round multiplicative decay ``lr_decay``."""
+        return float(self.hp[key]) * float(self.hp.get("lr_decay", 1.0)) ** round
+
+    # -- state -----------------------------------------------------------------------------
+    def init_state(self, state: PeerState, generator: torch.Generator) -> None:
+        """Create algorithm state (duals, masks, weights) in ``state.extra``/``state.scalars``."""
+
+    # -- the round ---------------------------------------------------------------------------
+    @abstractmethod
+    def local_update(self, state: PeerState, ctx: TrainContext, round: int) -> dict[str, float]:
+        """Train in place on ``state.params`` (through ``ctx.model``); return train metrics."""
+
+    def wire_specs(self) -> tuple[TensorSpec, ...]:
+        """The tensors this algorithm puts on the wire; receivers validate against it."""
+        return self.layout.shared_specs() if self.shares == "shared" else self.layout.specs
+
+    def outgoing(self, state: PeerState, round: int, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """The flat tensor and scalars to send for (round, step). Default: the shared prefix."""
+        n = self.layout.num_shared if self.shares == "shared" else self.layout.numel
+        return state.params[:n], {}
+
+    def combine(self, state: PeerState, round: int, step: int, own: Message,
+                received: dict[str, Message], plan: MixingPlan) -> None:
+        """Replace the sent part by the plan-weighted mix of ``own`` and what arrived."""
+        from p2pfl.algorithms.mixing import mix_into
+
+        n = own.flat.numel()
+        mix_into(state.params[:n], own.flat, plan, received, renormalize=self.mode == "pull")
+
+
+def finite_or_raise(value: float, what: str) -> float:
+    """Training must not silently continue on NaN/Inf (it would be refused on the wire anyway)."""
+    if not math.isfinite(value):
+        raise FloatingPointError(f"{what} is not finite ({value})")
+    return value

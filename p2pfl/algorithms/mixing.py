@@ -1,0 +1,58 @@
+"""The one mixing routine: a plan-weighted sum of flat buffers, in a fixed order.
+
+Summation order is the plan's in-neighbour order (never arrival order), so the result is
+bitwise identical whichever transport delivered the payloads and whenever they arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from p2pfl.messages import Message
+from p2pfl.topology import MixingPlan
+
+log = logging.getLogger(__name__)
+
+
+def mix_weights(plan: MixingPlan, arrived: set[str] | dict, renormalize: bool) -> tuple[float, dict[str, float]]:
+    """Self weight and neighbour weights over what arrived.
+
+    Pull mode (row-stochastic) renormalizes over the neighbours that arrived, so a late or
+    dead neighbour does not shrink the model; push-sum (``renormalize=False``) keeps the raw
+    column weights, because the push-sum weight tracks the lost mass.
+    """
+    weights = {j: w for j, w in plan.in_weights.items() if j in arrived}
+    self_w = plan.self_weight
+    if renormalize:
+        total = self_w + sum(weights.values())
+        self_w = self_w / total
+        weights = {j: w / total for j, w in weights.items()}
+    return self_w, weights
+
+
+def mix_into(out: torch.Tensor, own: torch.Tensor, plan: MixingPlan, received: dict[str, Message],
+             renormalize: bool = True) -> None:
+    """``out <- w_self * own + sum_j w_j * received[j]``, over flat buffers (``out`` may alias ``own``)."""
+    self_w, weights = mix_weights(plan, received, renormalize)
+    missing = [j for j in plan.in_weights if j not in received]
+    if missing:
+        log.warning("round %d step %d: mixing without %s (weights %s)", plan.round, plan.step,
+                    ",".join(missing), "renormalized" if renormalize else "as planned")
+    acc = own * self_w  # a new buffer: `out` may alias `own`
+    for j in plan.in_weights:  # fixed order => bitwise reproducible
+        if j in weights:
+            acc.add_(received[j].flat.to(acc.device, non_blocking=True), alpha=weights[j])
+    out.copy_(acc)
+
+
+def mix_scalar(own: float, plan: MixingPlan, received: dict[str, Message], key: str,
+               renormalize: bool = True) -> float:
+    """Mix a scalar carried in the messages (e.g. the push-sum weight) with the plan's weights."""
+    self_w, weights = mix_weights(plan, received, renormalize)
+    total = self_w * float(own)
+    for j in plan.in_weights:
+        if j in weights:
+            total += weights[j] * float(received[j].scalars[key])
+    return total

@@ -1,0 +1,111 @@
+"""Assemble an experiment from its config: topology, dataset, partition, model, per-peer state.
+
+Both the simulation and a standalone node build peers through ``Experiment.make_node`` so
+every mode starts from the same initial weights, data and generators (bitwise on CPU).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from p2pfl.algorithms import Algorithm, PeerState, build_algorithm
+from p2pfl.config import ExperimentConfig
+from p2pfl.data import ArrayDataset, Partition, PeerData, load_dataset, make_partition
+from p2pfl.modelpool import ModelPool
+from p2pfl.models import build_model, split_parameter_names
+from p2pfl.models.layout import ParamLayout
+from p2pfl.node import Node, Recorder
+from p2pfl.topology import Topology, load_topology
+from p2pfl.transport.base import Transport
+from peers.app import PeerApp
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` = CUDA when available, else CPU; ``cuda`` without a GPU is an error, never a silent fallback."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def peer_seed(seed: int, index: int) -> int:
+    """A peer's own seed: a pure function of (experiment seed, peer index)."""
+    return (seed * 1_000_003 + index * 7919 + 17) % (2**63 - 1)
+
+
+@dataclass
+class Experiment:
+    cfg: ExperimentConfig
+    device: torch.device
+
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig) -> Experiment:
+        return cls(cfg, resolve_device(cfg.device))
+
+    @cached_property
+    def topology(self) -> Topology:
+        return load_topology(self.cfg.topology)
+
+    @cached_property
+    def dataset(self) -> ArrayDataset:
+        return load_dataset(self.cfg.data.dataset, self.cfg.data.root, **self.cfg.data.params)
+
+    @cached_property
+    def partition(self) -> Partition:
+        p = dict(self.cfg.data.partition)
+        kind = p.pop("kind")
+        return make_partition(self.dataset.train_y.numpy(), self.dataset.test_y.numpy(),
+                              len(self.topology.peers), kind, self.cfg.seed, **p)
+
+    def build_model(self) -> torch.nn.Module:
+        params = {k: v for k, v in self.cfg.model.items() if k != "name"}
+        return build_model(self.cfg.model["name"], self.dataset.input_shape, self.dataset.num_classes, **params)
+
+    @cached_property
+    def _init(self) -> tuple[ParamLayout, torch.Tensor]:
+        """One initial model for every peer (identical phi(0), as all papers recommend)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.seed)
+            model = self.build_model()
+        shared, personal = split_parameter_names(model)
+        layout = ParamLayout.from_model(model, shared, personal)
+        return layout, layout.flatten(model)
+
+    @property
+    def layout(self) -> ParamLayout:
+        return self._init[0]
+
+    def new_algorithm(self) -> Algorithm:
+        return build_algorithm(self.cfg.algorithm_name, self.cfg.hyperparameters(), self.layout)
+
+    def model_factory(self) -> torch.nn.Module:
+        return self.build_model().to(self.device)
+
+    def peer_data(self, peer_id: str) -> PeerData:
+        i = self.topology.index(peer_id)
+        return PeerData(self.dataset, self.partition.train[i], self.partition.test[i],
+                        self.cfg.data.batch_size, self.device)
+
+    def make_node(self, peer_id: str, *, transport: Transport, models: ModelPool, record: Recorder,
+                  run_dir: Path | None, stop: threading.Event | None = None, on_round=None,
+                  rounds: int | None = None) -> Node:
+        i = self.topology.index(peer_id)
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(peer_seed(self.cfg.seed, i))
+        algorithm = self.new_algorithm()
+        state = PeerState(peer_id=peer_id, params=self._init[1].clone().to(self.device))
+        algorithm.init_state(state, gen)
+        app = PeerApp(peer_id, self.model_factory, self.peer_data(peer_id), self.device)
+        ckpt = (run_dir / "checkpoints" / f"{peer_id}.npz") if (run_dir and self.cfg.checkpoint_every) else None
+        node = Node(peer_id=peer_id, topology=self.topology, algorithm=algorithm, app=app, transport=transport,
+                    models=models, layout=self.layout, state=state, generator=gen, seed=self.cfg.seed,
+                    rounds=rounds or self.cfg.rounds, deadline_s=self.cfg.network.round_timeout_s, record=record,
+                    eval_every=self.cfg.eval_every, checkpoint_path=ckpt, checkpoint_every=self.cfg.checkpoint_every,
+                    stop=stop, on_round=on_round)
+        return node

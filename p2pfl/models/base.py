@@ -1,0 +1,70 @@
+"""What every model in the zoo has in common: one declared personal head, no buffers, no randomness.
+
+Why a single class attribute: the personalized algorithms (DFedMDC, DFedPGP, DePRL, FedRep-style
+baselines) all split a model into a shared body that is gossiped and a personal head that never
+leaves the peer. Declaring the head in exactly one place (``HEAD``) keeps the split, the flat
+``[shared | personal]`` layout and the wire format from drifting apart.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+InputShape = tuple[int, int, int]
+
+
+class PersonalModel(nn.Module):
+    """Base class of the zoo's models.
+
+    Subclasses set ``HEAD`` to the module path of their final ``nn.Linear`` (the personal head:
+    weight and bias) and register that layer *last*, so that ``named_parameters()`` lists the
+    shared body first and the head at the end.
+    """
+
+    HEAD: ClassVar[str] = ""
+
+
+def check_input_shape(input_shape: tuple[int, ...]) -> InputShape:
+    """Validate a ``(C, H, W)`` shape; models size their layers from it, so fail early and clearly."""
+    shape = tuple(input_shape)
+    if len(shape) != 3 or not all(isinstance(d, int) and d > 0 for d in shape):
+        raise ValueError(f"input_shape must be (C, H, W) with positive ints, got {input_shape!r}")
+    return shape  # type: ignore[return-value]
+
+
+def check_num_classes(num_classes: int) -> int:
+    if not isinstance(num_classes, int) or num_classes < 1:
+        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+    return num_classes
+
+
+def conv_out(size: int, kernel: int, stride: int = 1, padding: int = 0) -> int:
+    """Spatial output size of a conv/pool layer (floor mode), as PyTorch computes it."""
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+def pad_amounts(height: int, width: int, min_size: int) -> tuple[int, int, int, int]:
+    """``F.pad`` amounts (left, right, top, bottom) that centre an image in a ``min_size`` square.
+
+    Why: the CIFAR-sized nets (AlexNet per DePRL Table 5, VGG-11) need a 32x32 input; Fashion-MNIST
+    is 28x28, and zero-padding to 32x32 is the usual fix (the DePRL spec names it as an option).
+    """
+    dh, dw = max(0, min_size - height), max(0, min_size - width)
+    return (dw // 2, dw - dw // 2, dh // 2, dh - dh // 2)
+
+
+class ZeroPad(nn.Module):
+    """Parameter-free zero padding (identity when no padding is needed)."""
+
+    def __init__(self, pad: tuple[int, int, int, int]) -> None:
+        super().__init__()
+        self.pad = pad
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.pad(x, self.pad) if any(self.pad) else x
+
+    def extra_repr(self) -> str:
+        return f"pad={self.pad}"

@@ -1,0 +1,87 @@
+"""Model registry and the shared/personal split that the algorithms and the flat layout rely on."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+from .alexnet import AlexNet
+from .base import PersonalModel
+from .cnn import LeNet, SmallCNN
+from .mlp import MLP
+from .resnet import ResNet18
+from .vgg import VGG11
+
+_REGISTRY: dict[str, type[PersonalModel]] = {
+    "mlp": MLP,
+    "lenet": LeNet,
+    "cnn_small": SmallCNN,
+    "alexnet": AlexNet,
+    "vgg11": VGG11,
+    "resnet18": ResNet18,
+}
+
+
+def model_names() -> list[str]:
+    """Names accepted by :func:`build_model`, sorted."""
+    return sorted(_REGISTRY)
+
+
+def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int, **params: Any) -> nn.Module:
+    """Build the zoo model ``name`` for ``(C, H, W)`` inputs and ``num_classes`` outputs.
+
+    ``params`` are the model's extra keyword arguments (e.g. ``gn_groups`` for ``resnet18``,
+    ``variant`` for ``vgg11``). Initialization uses PyTorch's default initializers and thus draws
+    only from the global torch RNG at construction time: ``torch.manual_seed(s); build_model(...)``
+    is reproducible. Why no generator argument: the default initializers take none, and seeding the
+    global RNG right before construction is the one contract every caller can meet.
+    """
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(model_names())}") from None
+    accepted = [
+        p
+        for p in inspect.signature(cls.__init__).parameters
+        if p not in ("self", "input_shape", "num_classes")
+    ]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(f"model {name!r} got unknown parameters {unknown}; accepted: {accepted}")
+    return cls(tuple(input_shape), num_classes, **params)  # type: ignore[arg-type]
+
+
+def head_prefix(model: nn.Module) -> str:
+    """Module path of the model's personal head, its class attribute ``HEAD`` (e.g. ``"fc3"``).
+
+    Raises ``ValueError`` when the model declares no head or the head is not an ``nn.Linear``:
+    the personalized algorithms assume head = weight and bias of the final linear layer.
+    """
+    head = getattr(type(model), "HEAD", "")
+    if not isinstance(head, str) or not head:
+        raise ValueError(f"{type(model).__name__} declares no personal head (class attribute HEAD)")
+    try:
+        module = model.get_submodule(head)
+    except AttributeError:
+        raise ValueError(f"{type(model).__name__}.HEAD={head!r} names no submodule") from None
+    if not isinstance(module, nn.Linear):
+        raise ValueError(
+            f"{type(model).__name__}.HEAD={head!r} is a {type(module).__name__}, not an nn.Linear"
+        )
+    return head
+
+
+def split_parameter_names(model: nn.Module) -> tuple[list[str], list[str]]:
+    """``(shared, personal)`` parameter names, each in ``model.named_parameters()`` order.
+
+    Personal = the head's parameters (``HEAD.weight`` and ``HEAD.bias``); shared = every other
+    parameter. Why by name: the flat layout, the wire format and checkpoints all key on these names.
+    """
+    prefix = head_prefix(model) + "."
+    shared: list[str] = []
+    personal: list[str] = []
+    for name, _ in model.named_parameters():
+        (personal if name.startswith(prefix) else shared).append(name)
+    return shared, personal

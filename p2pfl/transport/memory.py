@@ -1,0 +1,81 @@
+"""In-memory transport for the single-process simulation.
+
+A shared board keyed by (sender, round, step) plays the role of every peer's gRPC service:
+publishing is storing, pulling is waiting on a condition until the key is present. A message
+is dropped once every peer that will read it has done so, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from p2pfl.messages import Message
+from p2pfl.topology import MixingPlan
+from p2pfl.transport.base import ExchangeResult, Transport, TransportError
+
+HEADER_BYTES = 64  # a fixed estimate of the per-message header, for byte accounting
+
+
+class MemoryHub:
+    """The board all in-memory transports of one simulation share."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._board: dict[tuple[str, int, int], tuple[Message, int]] = {}
+        self._aborted: str | None = None
+
+    def publish(self, message: Message, readers: int) -> None:
+        if readers <= 0:
+            return
+        with self._cond:
+            self._board[(message.sender, message.round, message.step)] = (message, readers)
+            self._cond.notify_all()
+
+    def take(self, keys: list[tuple[str, int, int]], deadline: float) -> dict[str, Message]:
+        """Wait for ``keys`` until ``deadline`` (monotonic); return those present."""
+        out: dict[str, Message] = {}
+        with self._cond:
+            while True:
+                if self._aborted:
+                    raise TransportError(f"simulation aborted: {self._aborted}")
+                for key in keys:
+                    if key[0] not in out and key in self._board:
+                        msg, left = self._board[key]
+                        out[key[0]] = msg
+                        if left <= 1:
+                            del self._board[key]
+                        else:
+                            self._board[key] = (msg, left - 1)
+                if len(out) == len(keys):
+                    return out
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return out
+                self._cond.wait(timeout=min(remaining, 1.0))
+
+    def abort(self, reason: str) -> None:
+        """Wake every waiter with an error (a peer thread failed)."""
+        with self._cond:
+            self._aborted = reason
+            self._cond.notify_all()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._board)
+
+
+class MemoryTransport(Transport):
+    def __init__(self, hub: MemoryHub, peer_id: str) -> None:
+        self.hub = hub
+        self.peer_id = peer_id
+
+    def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
+        size = message.nbytes + HEADER_BYTES
+        readers = len(plan.out_weights)
+        self.hub.publish(message, readers)
+        keys = [(j, message.round, message.step) for j in plan.in_weights]
+        got = self.hub.take(keys, time.monotonic() + deadline_s)
+        missing = [j for j in plan.in_weights if j not in got]
+        recv = sum(m.nbytes + HEADER_BYTES for m in got.values())
+        return ExchangeResult(received=got, missing=missing, bytes_sent=size * readers, bytes_recv=recv)

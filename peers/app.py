@@ -1,0 +1,37 @@
+"""The Flower-facing peer app: one peer's model factory, data and evaluation.
+
+In the style of a Flower ``ClientApp``: the Node (decentralized) and the Flower adapter
+(centralized baselines) both call these handlers, so a peer trains and is measured the same
+way whoever drives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from p2pfl.data.loader import PeerData
+
+
+@dataclass
+class PeerApp:
+    peer_id: str
+    model_fn: Callable[[], nn.Module]
+    data: PeerData
+    device: torch.device
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Personalized accuracy and loss on this peer's own test split."""
+        model.eval()
+        loss_sum, correct, n = 0.0, 0, 0
+        for x, y in self.data.test_batches():
+            out = model(x)
+            loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+            correct += int((out.argmax(1) == y).sum())
+            n += int(y.numel())
+        return {"loss": loss_sum / max(n, 1), "acc": correct / max(n, 1), "num_examples": float(n)}

@@ -1,0 +1,193 @@
+"""Model zoo: exact sizes (computed by hand from the architectures), the head split, no buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from p2pfl.models import build_model, head_prefix, model_names, split_parameter_names
+
+
+def conv(cin: int, cout: int, k: int, bias: bool = True) -> int:
+    return cin * cout * k * k + (cout if bias else 0)
+
+
+def lin(i: int, o: int) -> int:
+    return i * o + o
+
+
+def gn(c: int) -> int:
+    return 2 * c  # GroupNorm affine weight + bias
+
+
+def resnet18_body(cin: int) -> int:
+    total = conv(cin, 64, 3, bias=False) + gn(64)
+    in_ch = 64
+    for out_ch, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        for block in range(2):
+            c_in = in_ch if block == 0 else out_ch
+            total += conv(c_in, out_ch, 3, False) + gn(out_ch) + conv(out_ch, out_ch, 3, False) + gn(out_ch)
+            if block == 0 and (stride != 1 or c_in != out_ch):
+                total += conv(c_in, out_ch, 1, False) + gn(out_ch)
+        in_ch = out_ch
+    return total
+
+
+def vgg_body(cin: int, plan: list[int], norm: bool = True) -> int:
+    total = 0
+    for c in plan:
+        total += conv(cin, c, 3) + (gn(c) if norm else 0)
+        cin = c
+    return total
+
+
+VGG11_PLAN = [64, 128, 256, 256, 512, 512, 512, 512]
+DEPRL_VGG_PLAN = [64, 128, 128, 256, 256, 512, 512, 512]
+
+# (name, input shape, classes, params) -> (body params, head in-features), all derived by hand.
+CASES = {
+    ("mlp", (1, 28, 28), 10): (lin(784, 200) + lin(200, 200), 200),
+    ("lenet", (3, 32, 32), 10): (
+        conv(3, 64, 5) + conv(64, 64, 5) + lin(64 * 5 * 5, 384) + lin(384, 192),
+        192,
+    ),
+    ("lenet", (1, 28, 28), 10): (
+        conv(1, 64, 5) + conv(64, 64, 5) + lin(64 * 4 * 4, 384) + lin(384, 192),
+        192,
+    ),
+    ("cnn_small", (1, 28, 28), 10): (conv(1, 16, 5) + conv(16, 32, 5) + lin(32 * 4 * 4, 128), 128),
+    ("cnn_small", (3, 32, 32), 10): (conv(3, 16, 5) + conv(16, 32, 5) + lin(32 * 5 * 5, 128), 128),
+    ("alexnet", (1, 28, 28), 10): (
+        conv(1, 64, 3)
+        + conv(64, 192, 3)
+        + conv(192, 384, 3)
+        + conv(384, 256, 3)
+        + conv(256, 256, 3)
+        + lin(256 * 2 * 2, 4096)
+        + lin(4096, 4096),
+        4096,
+    ),
+    ("vgg11", (3, 32, 32), 10): (vgg_body(3, VGG11_PLAN), 512),
+    ("vgg11", (1, 28, 28), 10): (vgg_body(1, VGG11_PLAN), 512),
+    ("resnet18", (3, 32, 32), 100): (resnet18_body(3), 512),
+    ("resnet18", (1, 28, 28), 10): (resnet18_body(1), 512),
+}
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[tuple[str, tuple[int, int, int], int], nn.Module]:
+    torch.manual_seed(0)
+    return {key: build_model(*key) for key in CASES}
+
+
+def test_names() -> None:
+    assert model_names() == sorted(["mlp", "lenet", "cnn_small", "alexnet", "vgg11", "resnet18"])
+    with pytest.raises(ValueError, match="resnet18"):
+        build_model("resnet50", (3, 32, 32), 10)
+    with pytest.raises(ValueError, match="gn_groups"):
+        build_model("resnet18", (3, 32, 32), 10, groups=4)
+
+
+def test_spec_counts() -> None:
+    """The hand formulas reproduce the figures the specs derive, so they are the right yardstick."""
+    assert lin(784, 200) + lin(200, 200) + lin(200, 10) == 199_210  # spec 002
+    assert CASES[("lenet", (3, 32, 32), 10)][0] + lin(192, 10) == 797_962  # spec 002
+    assert resnet18_body(3) == 11_168_832  # specs 000, 004
+    assert vgg_body(3, VGG11_PLAN) + lin(512, 10) == 9_231_114  # spec 003
+    assert vgg_body(3, DEPRL_VGG_PLAN, norm=False) + 2 * lin(512, 512) == 7_533_568  # spec 004
+    alex3 = conv(3, 64, 3) + conv(64, 192, 3) + conv(192, 384, 3) + conv(384, 256, 3) + conv(256, 256, 3)
+    assert alex3 + lin(1024, 4096) + lin(4096, 4096) == 23_231_296  # spec 004
+
+
+@pytest.mark.parametrize("key", list(CASES), ids=lambda k: f"{k[0]}-{'x'.join(map(str, k[1]))}")
+def test_model(built: dict, key: tuple[str, tuple[int, int, int], int]) -> None:
+    model = built[key]
+    _, shape, classes = key
+    body, head_in = CASES[key]
+    params = dict(model.named_parameters())
+    assert sum(p.numel() for p in params.values()) == body + lin(head_in, classes)
+
+    shared, personal = split_parameter_names(model)
+    head = head_prefix(model)
+    linear = model.get_submodule(head)
+    assert isinstance(linear, nn.Linear) and linear.in_features == head_in and linear.out_features == classes
+    assert personal == [f"{head}.weight", f"{head}.bias"]
+    assert not set(shared) & set(personal)
+    assert shared + personal == list(params)  # head registered last: names() order is [shared | personal]
+    assert sum(params[n].numel() for n in shared) == body
+
+    assert list(model.buffers()) == []
+    assert not any(isinstance(m, nn.modules.batchnorm._NormBase | nn.Dropout) for m in model.modules())
+
+    with torch.no_grad():
+        out = model(torch.randn(2, *shape))
+    assert out.shape == (2, classes)
+
+
+def test_mlp_exact() -> None:
+    model = build_model("mlp", (1, 28, 28), 10)
+    assert sum(p.numel() for p in model.parameters()) == 199_210
+    assert head_prefix(model) == "fc3"
+
+
+def test_resnet18_shared_bytes(built: dict) -> None:
+    model = built[("resnet18", (3, 32, 32), 100)]
+    shared, _ = split_parameter_names(model)
+    params = dict(model.named_parameters())
+    nbytes = sum(params[n].numel() * params[n].element_size() for n in shared)
+    assert nbytes == pytest.approx(44.7e6, rel=0.01)
+    groups = [m.num_groups for m in model.modules() if isinstance(m, nn.GroupNorm)]
+    assert len(groups) == 1 + 8 * 2 + 3 and set(groups) == {32}  # stem, 2 per block, 3 shortcuts
+
+
+def test_vgg11_deprl_variant() -> None:
+    model = build_model("vgg11", (3, 32, 32), 10, variant="deprl", gn_groups=None)
+    shared, personal = split_parameter_names(model)
+    params = dict(model.named_parameters())
+    assert sum(params[n].numel() for n in shared) == vgg_body(3, DEPRL_VGG_PLAN, norm=False) + 2 * lin(
+        512, 512
+    )
+    assert personal == ["classifier.weight", "classifier.bias"]
+    assert not any(isinstance(m, nn.GroupNorm) for m in model.modules())
+    assert build_model("vgg11", (3, 32, 32), 10, variant="deprl")(torch.randn(1, 3, 32, 32)).shape == (1, 10)
+    with pytest.raises(ValueError):
+        build_model("vgg11", (3, 32, 32), 10, variant="vgg16")
+
+
+@pytest.mark.parametrize("name", ["mlp", "lenet", "cnn_small", "alexnet", "vgg11", "resnet18"])
+def test_reproducible_init(name: str) -> None:
+    shape = (1, 28, 28)
+    torch.manual_seed(7)
+    a = build_model(name, shape, 10)
+    torch.manual_seed(7)
+    b = build_model(name, shape, 10)
+    torch.manual_seed(8)
+    c = build_model(name, shape, 10)
+    pa, pb, pc = (dict(m.named_parameters()) for m in (a, b, c))
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    assert not torch.equal(pa[head_prefix(a) + ".weight"], pc[head_prefix(c) + ".weight"])
+
+
+def test_head_must_be_linear() -> None:
+    class Bad(nn.Module):
+        HEAD = "out"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.out = nn.Conv2d(1, 1, 1)
+
+    class NoHead(nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="nn.Linear"):
+        split_parameter_names(Bad())
+    with pytest.raises(ValueError, match="HEAD"):
+        head_prefix(NoHead())
+
+
+def test_bad_shapes() -> None:
+    with pytest.raises(ValueError):
+        build_model("lenet", (1, 8, 8), 10)
+    with pytest.raises(ValueError):
+        build_model("mlp", (784,), 10)  # type: ignore[arg-type]
