@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -14,7 +14,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Peer-to-peer personalized federated learning: simulate, run peers, deploy.")
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="experiment config YAML")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a config value: dotted.key=VALUE (repeatable)")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override a config value: dotted.key=VALUE (repeatable)")]
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -40,8 +40,8 @@ def default_run_dir(name: str, algorithm: str) -> Path:
 
 
 @app.command()
-def simulate(config: ConfigOpt, rounds: Annotated[Optional[int], typer.Option(help="override rounds")] = None,
-             out: Annotated[Optional[Path], typer.Option(help="run folder")] = None, set: SetOpt = None,
+def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help="override rounds")] = None,
+             out: Annotated[Path | None, typer.Option(help="run folder")] = None, set: SetOpt = None,
              quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")] = False,
              verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
     """Run every peer of CONFIG in one process (in-memory transport) and write a run folder."""

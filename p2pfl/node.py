@@ -77,7 +77,7 @@ class Node:
 
     def run_round(self, r: int) -> dict[str, Any]:
         t0 = time.perf_counter()
-        with self.models.borrow() as model:
+        with self.models.borrow((r, 0, self.topology.index(self.peer_id))) as model:
             t_start = time.perf_counter()  # compute time excludes waiting for a free worker
             self.layout.bind(model, self.state.params)
             ctx = TrainContext(model, self.layout, self.app.data, self.generator, self.state.params.device)
@@ -107,7 +107,7 @@ class Node:
         self.state.round = r + 1
         rec: dict[str, Any] = {"round": r, "peer": self.peer_id}
         if (r + 1) % self.eval_every == 0 or r + 1 == self.rounds:
-            with self.models.borrow() as model:
+            with self.models.borrow((r, 1, self.topology.index(self.peer_id))) as model:
                 self.layout.bind(model, self.state.params)
                 ev = self.app.evaluate(model)
             rec.update(acc=ev["acc"], loss=ev["loss"])

@@ -1,15 +1,23 @@
-"""Single-host simulation: every peer of the config in one process, through the same Node loop.
+"""Single-host simulation: every peer of the config on this machine, through the same Node loop.
 
-Each peer runs its Node in a thread with an in-memory transport; a pool of ``workers`` model
-objects caps how many peers compute at once (torch uses one thread per worker, which keeps both
-cores busy and stays bitwise deterministic: each peer's randomness is its own generator).
+Peers are spread over ``workers`` processes (peer i -> worker i mod W), each with one torch
+thread and one model object that its peers borrow in turn: this keeps every core busy on
+training (threads in one process would fight over the GIL). Inside a worker each peer runs its
+Node in a thread with an in-memory transport; messages for peers in other workers cross a
+queue (the bridge). The dataset is loaded before the workers fork, so its pages are shared.
+Results are bitwise independent of the worker count: each peer's randomness is its own
+generator and mixing sums in plan order.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import queue
 import threading
 import time
+import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +25,14 @@ import torch
 
 from p2pfl.config import ExperimentConfig
 from p2pfl.experiment import Experiment
+from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
 from p2pfl.runfolder import MetricsWriter, plot_accuracy, sort_metrics, summarize, write_inputs, write_summary
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
 
 log = logging.getLogger(__name__)
 
-# In one process nobody is late: a peer waits for its neighbours however long their compute takes.
+# On one host nobody is late: a peer waits for its neighbours however long their compute takes.
 SIM_DEADLINE_S = 7 * 24 * 3600.0
 
 
@@ -34,68 +43,134 @@ class SimulationError(RuntimeError):
 def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = True,
              experiment: Experiment | None = None) -> dict[str, Any]:
     """Run the experiment; write the run folder; return the summary."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # before any torch work, so a forked worker inherits no thread pool
     run_dir = Path(out_dir)
     exp = experiment or Experiment.from_config(cfg)
     topo = exp.topology
     write_inputs(run_dir, cfg.raw, topo.to_dict(), exp.partition)
-    hub = MemoryHub()
-    models = ModelPool(exp.model_factory, cfg.workers)
+    exp.layout  # noqa: B018 - build the initial model before forking
+    ids = list(topo.ids)
+    workers = max(1, min(cfg.workers, len(ids)))
+    if exp.device.type == "cuda":
+        workers = 1  # CUDA does not survive fork; one process drives the GPU
+    assign = {pid: i % workers for i, pid in enumerate(ids)}
+    groups = [[p for p in ids if assign[p] == w] for w in range(workers)]
+
     writer = MetricsWriter(run_dir / "metrics.jsonl")
-    errors: list[BaseException] = []
-    done = threading.Semaphore(0)
-    nodes = []
-    for pid in topo.ids:
-        node = exp.make_node(pid, transport=MemoryTransport(hub, pid), models=models, record=writer,
-                             run_dir=run_dir, on_round=lambda _r: done.release())
-        node.deadline_s = SIM_DEADLINE_S
-        nodes.append(node)
-
-    def run_node(node) -> None:
-        try:
-            node.run()
-        except BaseException as exc:  # noqa: BLE001 - every failure must stop the whole simulation
-            errors.append(exc)
-            log.exception("peer %s failed", node.peer_id)
-            hub.abort(f"peer {node.peer_id} failed: {exc!r}")
-            done.release()
-
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=run_node, args=(n,), name=f"peer-{n.peer_id}", daemon=True) for n in nodes]
-    for t in threads:
-        t.start()
-    total = len(nodes) * cfg.rounds
-    _wait(done, total, cfg.rounds, len(nodes), errors, progress)
-    for t in threads:
-        t.join()
+    procs: list[Any] = []
+    if workers == 1:
+        events: Any = queue.Queue()
+        inboxes: list[Any] = [queue.Queue()]
+        th = threading.Thread(target=_worker, args=(0, exp, groups[0], assign, inboxes, events, run_dir), daemon=True)
+        th.start()
+    else:
+        ctx = mp.get_context("fork")
+        events = ctx.Queue()
+        inboxes = [ctx.Queue() for _ in range(workers)]
+        for w in range(workers):
+            p = ctx.Process(target=_worker, args=(w, exp, groups[w], assign, inboxes, events, run_dir),
+                            name=f"p2pfl-sim-{w}", daemon=True)
+            p.start()
+            procs.append(p)
+    try:
+        _collect(events, writer, len(ids) * cfg.rounds, workers, procs, progress)
+    finally:
+        for box in inboxes:
+            box.put(None)
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+        writer.close()
     wall = time.perf_counter() - t0
-    writer.close()
-    if errors:
-        raise SimulationError(f"simulation failed: {errors[0]!r}") from errors[0]
-    recs = sort_metrics(run_dir / "metrics.jsonl", list(topo.ids))
+    recs = sort_metrics(run_dir / "metrics.jsonl", ids)
     summary = summarize(recs, {
         "name": cfg.name, "algorithm": cfg.algorithm_name, "seed": cfg.seed, "mode": "simulate",
-        "wall_seconds": wall, "wall_seconds_per_round": wall / cfg.rounds, "workers": cfg.workers,
+        "wall_seconds": wall, "wall_seconds_per_round": wall / cfg.rounds, "workers": workers,
     })
     write_summary(run_dir, summary)
     plot_accuracy(recs, run_dir / "accuracy.png", f"{cfg.name}: {cfg.algorithm_name}")
     return summary
 
 
-def _wait(done: threading.Semaphore, total: int, rounds: int, peers: int, errors: list, progress: bool) -> None:
-    if not progress:
-        for _ in range(total):
-            done.acquire()
-            if errors:
-                return
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _collect(events: Any, writer: MetricsWriter, total: int, workers: int, procs: list, progress: bool) -> None:
+    """Write records as they come, drive the progress bar, and fail fast when a worker fails."""
+    bar = task = None
+    if progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("[bold]simulating"), BarColumn(), MofNCompleteColumn(), TextColumn("peer-rounds"),
-                  TimeElapsedColumn()) as bar:
+        bar = Progress(TextColumn("[bold]simulating"), BarColumn(), MofNCompleteColumn(), TextColumn("peer-rounds"),
+                       TimeElapsedColumn())
+        bar.start()
         task = bar.add_task("sim", total=total)
-        for _ in range(total):
-            done.acquire()
-            if errors:
+    finished = 0
+    try:
+        while finished < workers:
+            try:
+                kind, payload = events.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise SimulationError(f"worker {dead[0].name} died (exit code {dead[0].exitcode})") from None
+                continue
+            if kind == "round":
+                writer(payload)
+                if bar is not None:
+                    bar.advance(task)
+            elif kind == "error":
+                raise SimulationError(f"peer {payload[0]} failed: {payload[1]}")
+            elif kind == "done":
+                finished += 1
+    finally:
+        if bar is not None:
+            bar.stop()
+
+
+def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], inboxes: list, events: Any,
+            run_dir: Path) -> None:
+    """Run the Nodes of ``peers`` (threads), bridging messages to and from the other workers."""
+    torch.set_num_threads(1)
+
+    def forward(msg: Message, remote: list[str]) -> None:
+        wire = (msg.sender, msg.round, msg.step, msg.topology_hash, msg.manifest,
+                msg.flat.detach().cpu().numpy().tobytes(), dict(msg.scalars))
+        for ww, count in Counter(assign[p] for p in remote).items():
+            inboxes[ww].put((wire, count))
+
+    hub = MemoryHub(local_peers=set(peers), forward=forward)
+
+    def bridge() -> None:
+        while True:
+            item = inboxes[w].get()
+            if item is None:
                 return
-            bar.advance(task)
+            (sender, r, step, th, manifest, raw, scalars), count = item
+            flat = torch.frombuffer(bytearray(raw), dtype=torch.float32).to(exp.device)
+            hub.put(Message(sender, r, step, th, manifest, flat, scalars), count)
+
+    threading.Thread(target=bridge, name=f"bridge-{w}", daemon=True).start()
+    models = ModelPool(exp.model_factory, 1)
+
+    def record(rec: dict[str, Any]) -> None:
+        events.put(("round", rec))
+
+    failed = threading.Event()
+
+    def run(pid: str) -> None:
+        try:
+            node = exp.make_node(pid, transport=MemoryTransport(hub, pid), models=models, record=record,
+                                 run_dir=run_dir)
+            node.deadline_s = SIM_DEADLINE_S
+            node.run()
+        except BaseException as exc:  # noqa: BLE001 - any failure stops the whole simulation
+            failed.set()
+            hub.abort(f"peer {pid} failed: {exc!r}")
+            events.put(("error", (pid, "".join(traceback.format_exception(exc)))))
+
+    threads = [threading.Thread(target=run, args=(pid,), name=f"peer-{pid}", daemon=True) for pid in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    events.put(("done", w))

@@ -208,12 +208,10 @@ def test_test_split_keeps_rare_classes(labels):
     """A class with a small train share still gets one test sample."""
     tr, te = labels
     idx = np.concatenate([np.flatnonzero(tr == 0)[:3], np.flatnonzero(tr == 1)[:297]])
-    p = Partition("iid", {}, 0, 1, (np.sort(idx),), (np.zeros(0, dtype=np.int64),))
-    assert p.num_clients == 1
     from p2pfl.data.partition import _test_counts
 
     cnt = _test_counts(label_histogram(tr, idx, K), 50, np.full(K, 100))
-    assert cnt[0] == 1 and cnt.sum() == 50
+    assert cnt[0] == 1 and cnt[1] == 49 and cnt.sum() == 50  # 3/300 * 50 = 0.5 would round to 0
 
 
 def test_test_split_capped_by_test_set(labels):
@@ -238,6 +236,10 @@ def test_save_load_round_trip(labels, tmp_path):
         q.train[0][0] = 1  # read-only: a partition is shared
     with pytest.raises(PartitionError):
         Partition.from_dict({"kind": "iid"})
+    bad = p.to_dict()
+    bad["train"][0][0] = -5
+    with pytest.raises(PartitionError, match="non-negative"):
+        Partition.from_dict(bad)
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,22 @@ def test_simulation_writes_run_folder_and_is_deterministic(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(120)
+def test_worker_count_does_not_change_results(tmp_path: Path) -> None:
+    """One process (threads) and two worker processes (bridged board) give bitwise equal runs."""
+    import numpy as np
+
+    cfg1 = load_config(tiny_config(tmp_path), ["simulation.workers=1"])
+    cfg2 = load_config(tiny_config(tmp_path), ["simulation.workers=2"])
+    simulate(cfg1, tmp_path / "w1", progress=False)
+    simulate(cfg2, tmp_path / "w2", progress=False)
+    assert _accs(tmp_path / "w1") == _accs(tmp_path / "w2")
+    for pid in ("p0", "p1", "p2", "p3"):
+        with np.load(tmp_path / "w1" / "checkpoints" / f"{pid}.npz") as a, \
+                np.load(tmp_path / "w2" / "checkpoints" / f"{pid}.npz") as b:
+            assert np.array_equal(a["params"], b["params"])
+
+
+@pytest.mark.timeout(120)
 def test_local_sends_nothing_and_cli_overrides(tmp_path: Path) -> None:
     path = tiny_config(tmp_path)
     _mount()

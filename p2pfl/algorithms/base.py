@@ -97,6 +97,7 @@ class Algorithm(ABC):
     # -- state -----------------------------------------------------------------------------
     def init_state(self, state: PeerState, generator: torch.Generator) -> None:
         """Create algorithm state (duals, masks, weights) in ``state.extra``/``state.scalars``."""
+        return None
 
     # -- the round ---------------------------------------------------------------------------
     @abstractmethod

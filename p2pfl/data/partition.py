@@ -23,11 +23,14 @@ Kinds (all a pure function of the labels, the kind's params and ``seed``):
 The test split is the same for every kind: each client's test indices are drawn from the test set
 with that client's *training* label distribution (spec 000 §5 "the distribution of the test
 datasets is the same as in training datasets"; spec 004 §3.2 NOTE), so personalized accuracy is
-measured on the client's own task. Clients may share test samples.
+measured on the client's own task. Per-client size: ``test_size`` or ``round(n_i * M / N)``;
+per-class counts by largest remainder, at least one per class the client trains on where the size
+allows, and never more than the test set holds of a class (no duplicates within a client).
+Clients may share test samples.
 
-flwr-datasets has a ``DirichletPartitioner``, but it implements the per-class scheme with a
-min-size loop over *one* dataset split only and has no equal-size (DisPFL) or test-follows-train
-scheme, so it does not implement these protocols exactly; it is not used.
+flwr-datasets partitioners are not used: the package is not a dependency of this project, and
+these protocols need a test split tied to each client's train split and DisPFL's equal-size
+sampling, which are implemented here directly on numpy label arrays.
 """
 
 from __future__ import annotations
@@ -73,8 +76,12 @@ class Partition:
                 f"partition has {len(self.train)} train and {len(self.test)} test index sets "
                 f"for {self.num_clients} clients"
             )
-        object.__setattr__(self, "train", tuple(_frozen(a) for a in self.train))
-        object.__setattr__(self, "test", tuple(_frozen(a) for a in self.test))
+        train = tuple(_frozen(a) for a in self.train)
+        test = tuple(_frozen(a) for a in self.test)
+        if any(a.ndim != 1 or (a.size and a.min() < 0) for a in train + test):
+            raise PartitionError("partition indices must be 1-D and non-negative")
+        object.__setattr__(self, "train", train)
+        object.__setattr__(self, "test", test)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Partition):

@@ -32,4 +32,5 @@ class Transport(ABC):
         """Deliver ``message`` per ``plan`` and collect the in-neighbours' messages for the same (round, step)."""
 
     def close(self) -> None:
-        """Release sockets/threads."""
+        """Release sockets/threads (nothing to release by default)."""
+        return None

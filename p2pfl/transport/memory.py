@@ -1,14 +1,19 @@
-"""In-memory transport for the single-process simulation.
+"""In-memory transport for the single-host simulation.
 
-A shared board keyed by (sender, round, step) plays the role of every peer's gRPC service:
-publishing is storing, pulling is waiting on a condition until the key is present. A message
-is dropped once every peer that will read it has done so, so memory stays bounded.
+A board keyed by (sender, round, step) plays the role of every peer's gRPC service: publishing
+is storing, pulling is waiting on a condition until the key is present. A message is dropped
+once every peer that will read it has done so, so memory stays bounded.
+
+When the simulation runs peers in several worker processes, each process has its own board and
+a ``forward`` callback carries a message to the other processes whose peers read it (the
+simulation's bridge); the board then only counts its local readers.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from p2pfl.messages import Message
 from p2pfl.topology import MixingPlan
@@ -20,16 +25,29 @@ HEADER_BYTES = 64  # a fixed estimate of the per-message header, for byte accoun
 class MemoryHub:
     """The board all in-memory transports of one simulation share."""
 
-    def __init__(self) -> None:
+    def __init__(self, local_peers: set[str] | None = None,
+                 forward: Callable[[Message, list[str]], None] | None = None) -> None:
+        self.local_peers = local_peers  # None: every peer is local (one process)
+        self.forward = forward
         self._cond = threading.Condition()
         self._board: dict[tuple[str, int, int], tuple[Message, int]] = {}
         self._aborted: str | None = None
 
-    def publish(self, message: Message, readers: int) -> None:
-        if readers <= 0:
+    def publish(self, message: Message, readers: list[str]) -> None:
+        """Offer ``message`` to ``readers`` (peer ids); remote readers get it through ``forward``."""
+        if self.local_peers is not None:
+            remote = [p for p in readers if p not in self.local_peers]
+            if remote and self.forward is not None:
+                self.forward(message, remote)
+            readers = [p for p in readers if p in self.local_peers]
+        self.put(message, len(readers))
+
+    def put(self, message: Message, count: int) -> None:
+        """Store ``message`` for ``count`` local reads."""
+        if count <= 0:
             return
         with self._cond:
-            self._board[(message.sender, message.round, message.step)] = (message, readers)
+            self._board[(message.sender, message.round, message.step)] = (message, count)
             self._cond.notify_all()
 
     def take(self, keys: list[tuple[str, int, int]], deadline: float) -> dict[str, Message]:
@@ -72,10 +90,10 @@ class MemoryTransport(Transport):
 
     def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
         size = message.nbytes + HEADER_BYTES
-        readers = len(plan.out_weights)
+        readers = list(plan.out_weights)
         self.hub.publish(message, readers)
         keys = [(j, message.round, message.step) for j in plan.in_weights]
         got = self.hub.take(keys, time.monotonic() + deadline_s)
         missing = [j for j in plan.in_weights if j not in got]
         recv = sum(m.nbytes + HEADER_BYTES for m in got.values())
-        return ExchangeResult(received=got, missing=missing, bytes_sent=size * readers, bytes_recv=recv)
+        return ExchangeResult(received=got, missing=missing, bytes_sent=size * len(readers), bytes_recv=recv)

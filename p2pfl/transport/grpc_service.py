@@ -1,0 +1,572 @@
+"""The gRPC peer service: what neighbours pull from and push into (``p2pfl/proto/peer.proto``).
+
+`PeerServer` holds this peer's published payloads, encoded once and served as is to every puller
+(a Pull for a payload not yet published waits on a condition until it is, or until the caller's
+deadline), and an inbox for pushes (directed push-sum). Callers are authenticated: under mutual TLS
+the caller's id is the peer id in its client certificate, and it must be a possible neighbour in the
+topology (and a neighbour in the plan of the (round, step) it asks about). Every rejection is a gRPC
+error with a precise message, logged at WARNING, and changes nothing.
+
+Pull and Push use the codec's frame functions as (de)serializers: the server yields pre-serialized
+chunks and reads data chunks as zero-copy views. The bytes on the wire are plain ``peer.proto``
+messages, so the generated stubs talk to this server unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent import futures
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from p2pfl.messages import Message
+from p2pfl.models.layout import TensorSpec
+from p2pfl.proto import peer_pb2
+from p2pfl.security.certs import TLSConfig, caller_peer_id
+from p2pfl.topology import MixingPlan, Topology
+from p2pfl.topology.schedule import check_mode
+from p2pfl.wire.codec import DEFAULT_CHUNK_BYTES, Decoder, EncodedPayload, RawData, encode_frames, parse_frame
+from p2pfl.wire.validate import Expectation, Reason, WireError
+
+__all__ = [
+    "HEADER_SLACK",
+    "PULL_METHOD",
+    "PUSH_METHOD",
+    "SERVICE",
+    "STATUS_METHOD",
+    "PeerServer",
+    "channel_options",
+    "grpc_message_limit",
+    "server_options",
+    "status_for",
+]
+
+log = logging.getLogger(__name__)
+
+SERVICE = "p2pfl.peer.Peer"
+PULL_METHOD = f"/{SERVICE}/Pull"
+PUSH_METHOD = f"/{SERVICE}/Push"
+STATUS_METHOD = f"/{SERVICE}/Status"
+
+#: Room for the header chunk (manifest, scalars) above the data chunk size in one gRPC message.
+HEADER_SLACK = 1 << 20
+
+_STATUS: dict[Reason, grpc.StatusCode] = {
+    Reason.MISSING_HEADER: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.DUPLICATE_HEADER: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.EMPTY_CHUNK: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.MANIFEST: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.DTYPE: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.SCALARS: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.LENGTH: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.NON_FINITE: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.OVERSIZE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.CHECKSUM: grpc.StatusCode.DATA_LOSS,
+    Reason.TRUNCATED: grpc.StatusCode.DATA_LOSS,
+    Reason.ROUND: grpc.StatusCode.OUT_OF_RANGE,
+    Reason.STEP: grpc.StatusCode.OUT_OF_RANGE,
+    Reason.TOPOLOGY: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.SENDER: grpc.StatusCode.PERMISSION_DENIED,
+}
+
+
+def status_for(err: WireError) -> grpc.StatusCode:
+    """The gRPC status code a rejected payload is answered with."""
+    return _STATUS[err.code]
+
+
+def grpc_message_limit(chunk_bytes: int) -> int:
+    """Per-gRPC-message size limit: one data chunk or one header. The whole payload is bounded separately."""
+    return chunk_bytes + HEADER_SLACK
+
+
+def server_options(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[str, Any]]:
+    """Server channel arguments: explicit message limits, keepalive, no silent port sharing."""
+    limit = grpc_message_limit(chunk_bytes)
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        # gRPC sets SO_REUSEPORT by default: a second server on the same port would then start
+        # "successfully" and steal half the connections. Refuse instead.
+        ("grpc.so_reuseport", 0),
+        # Notice dead callers during long Pull waits; accept the clients' keepalive pings.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ]
+
+
+def channel_options(chunk_bytes: int = DEFAULT_CHUNK_BYTES, target_id: str | None = None) -> list[tuple[str, Any]]:
+    """Client channel arguments for one neighbour.
+
+    Keepalive pings detect a neighbour that died while a Pull waits; short reconnect backoff finds
+    it again within about a second once it is back (calls use ``wait_for_ready`` with the round's
+    deadline). Transparent retries are off: the transport retries a Pull itself, within the deadline.
+    ``target_id`` (TLS) makes the client verify the server's certificate by peer id, whatever address
+    it dials.
+    """
+    limit = grpc_message_limit(chunk_bytes)
+    opts: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
+        ("grpc.enable_retries", 0),
+    ]
+    if target_id is not None:
+        opts.append(("grpc.ssl_target_name_override", target_id))
+    return opts
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("p2pfl-personal")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "0+unknown"
+
+
+class _Rejected(Exception):
+    """Internal: a rejection decided under the lock, raised as a gRPC error outside it."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class PeerServer:
+    """This peer's gRPC service: published payloads for Pull, an inbox for Push, Status and health.
+
+    Memory stays bounded: payloads and inbox entries of rounds older than ``current - 1`` are
+    dropped, and each sender may have at most ``max_pending`` undelivered pushes.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._server: grpc.Server | None = None
+        self._health: health.HealthServicer | None = None
+        self._published: dict[tuple[int, int], EncodedPayload] = {}
+        self._inbox: dict[tuple[str, int, int], tuple[Message, int]] = {}
+        self._round = 0
+        self._served = 0
+        self._pulls_served = 0
+        self._stopping = False
+        self.port = 0
+        self.address = ""
+        self.peer_id = ""
+        self.mode = "pull"
+        self.tls: TLSConfig | None = None
+        self.chunk_bytes = DEFAULT_CHUNK_BYTES
+        self.max_bytes = 256 << 20
+        self.max_wait_s = 300.0
+        self.max_pending = 16
+        self.seed = 0
+        self.expected_specs: tuple[TensorSpec, ...] = ()
+        self.scalar_keys: frozenset[str] = frozenset()
+        self.topology: Topology | None = None
+        self.topology_hash = ""
+        self._may_pull: frozenset[str] = frozenset()
+        self._may_push: frozenset[str] = frozenset()
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(
+        self,
+        address: str,
+        topology: Topology,
+        peer_id: str,
+        *,
+        expected_specs: Sequence[TensorSpec],
+        scalar_keys: Iterable[str] = (),
+        seed: int = 0,
+        mode: str = "pull",
+        tls: TLSConfig | None = None,
+        insecure: bool = False,
+        max_message_mb: int = 256,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_workers: int | None = None,
+        max_wait_s: float = 300.0,
+        max_pending: int = 16,
+    ) -> int:
+        """Bind ``address`` (``host:port``; port 0 picks one) and serve; return the bound port.
+
+        ``tls`` enables mutual TLS; plaintext needs ``insecure=True`` explicitly (no silent fallback).
+        ``expected_specs`` / ``scalar_keys`` describe what pushes must carry; ``seed`` and ``mode``
+        let the server compute each (round, step)'s plan to authorize callers. ``max_message_mb``
+        bounds one payload, ``chunk_bytes`` sizes chunks (and the per-gRPC-message limit).
+        ``max_wait_s`` caps how long a Pull without a deadline waits for a publish.
+        """
+        if self._server is not None:
+            raise RuntimeError(f"peer server {self.peer_id!r} is already started")
+        if tls is None and not insecure:
+            raise ValueError(
+                "no TLS configuration given: pass tls=TLSConfig.load(certs_dir, peer_id), "
+                "or insecure=True to serve plaintext (--insecure)"
+            )
+        if tls is not None and insecure:
+            raise ValueError("both tls and insecure=True given; choose one")
+        if tls is not None and tls.peer_id != peer_id:
+            raise ValueError(f"TLS material is for peer {tls.peer_id!r}, not {peer_id!r}")
+        check_mode(mode)
+        topology.index(peer_id)  # KeyError for a peer that is not in the topology
+        if max_message_mb < 1 or chunk_bytes < 1:
+            raise ValueError("max_message_mb and chunk_bytes must be positive")
+        self.peer_id, self.mode, self.tls, self.seed = peer_id, mode, tls, int(seed)
+        self.topology, self.topology_hash = topology, topology.hash()
+        self.expected_specs = tuple(expected_specs)
+        self.scalar_keys = frozenset(scalar_keys)
+        self.chunk_bytes, self.max_bytes = int(chunk_bytes), int(max_message_mb) << 20
+        self.max_wait_s, self.max_pending = float(max_wait_s), int(max_pending)
+        self._may_pull = topology.possible_out_neighbours(peer_id)
+        self._may_push = topology.possible_in_neighbours(peer_id)
+        if max_workers is None:
+            # Every waiting Pull holds a worker thread: room for each neighbour and a few more.
+            max_workers = min(64, 8 + 2 * len(self._may_pull | self._may_push))
+
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"peer-{peer_id}"),
+            options=server_options(self.chunk_bytes),
+        )
+        handlers = {
+            "Pull": grpc.unary_stream_rpc_method_handler(
+                self._pull,
+                request_deserializer=peer_pb2.PullRequest.FromString,
+                response_serializer=_identity,
+            ),
+            "Push": grpc.stream_unary_rpc_method_handler(
+                self._push,
+                request_deserializer=parse_frame,
+                response_serializer=peer_pb2.PushReply.SerializeToString,
+            ),
+            "Status": grpc.unary_unary_rpc_method_handler(
+                self._status,
+                request_deserializer=peer_pb2.StatusRequest.FromString,
+                response_serializer=peer_pb2.StatusReply.SerializeToString,
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            if tls is not None:
+                port = server.add_secure_port(address, tls.server_credentials())
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise RuntimeError(f"peer {peer_id!r} cannot listen on {address}: {e}") from None
+        if not port:
+            raise RuntimeError(f"peer {peer_id!r} cannot listen on {address}")
+        server.start()
+        self._server, self.port, self.address = server, port, address
+        for name in ("", SERVICE):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "%s: peer service on %s (port %d, %s, %s mode)",
+            peer_id, address, port, "mutual TLS" if tls else "INSECURE plaintext", mode,
+        )
+        return port
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop serving: waiting Pulls end (UNAVAILABLE), in-flight calls get ``grace`` seconds."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.stop(grace).wait()
+            self._server = None
+
+    def __enter__(self) -> PeerServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(0)
+
+    @property
+    def started(self) -> bool:
+        return self._server is not None
+
+    # ---- state the node / transport drives ----------------------------------------------------
+
+    @property
+    def round(self) -> int:
+        """The current round: payloads and pushes older than ``round - 1`` are dropped."""
+        with self._cond:
+            return self._round
+
+    def set_round(self, round: int) -> None:
+        """Advance the current round (never backwards) and drop what is older than ``round - 1``."""
+        with self._cond:
+            if round > self._round:
+                self._round = int(round)
+                self._prune()
+            self._cond.notify_all()
+
+    def _prune(self) -> None:
+        keep = self._round - 1
+        for key in [k for k in self._published if k[0] < keep]:
+            del self._published[key]
+        for key in [k for k in self._inbox if k[1] < keep]:
+            del self._inbox[key]
+
+    def publish(self, msg: Message) -> EncodedPayload:
+        """Encode ``msg`` once and serve it to every puller of (msg.round, msg.step).
+
+        Publishing a round advances the current round to it. Republishing the same (round, step)
+        replaces the payload for later pullers.
+        """
+        if msg.sender != self.peer_id:
+            raise ValueError(f"peer {self.peer_id!r} cannot publish a message from {msg.sender!r}")
+        if msg.topology_hash != self.topology_hash:
+            raise ValueError(
+                f"message topology hash {msg.topology_hash!r} differs from the server's {self.topology_hash!r}"
+            )
+        payload = encode_frames(msg, self.chunk_bytes)
+        if payload.header.total_bytes > self.max_bytes:
+            raise ValueError(f"payload of {payload.header.total_bytes} bytes exceeds max_message_mb")
+        with self._cond:
+            if msg.round < self._round - 1:
+                raise ValueError(f"round {msg.round} is older than the retained window (current {self._round})")
+            self._published[(msg.round, msg.step)] = payload
+            if msg.round > self._round:
+                self._round = msg.round
+                self._prune()
+            self._cond.notify_all()
+        return payload
+
+    def published(self) -> list[tuple[int, int]]:
+        """(round, step) keys currently served."""
+        with self._cond:
+            return sorted(self._published)
+
+    @property
+    def served_bytes(self) -> int:
+        """Wire bytes served to pullers since start (a counter, for byte accounting)."""
+        with self._cond:
+            return self._served
+
+    @property
+    def pulls_served(self) -> int:
+        with self._cond:
+            return self._pulls_served
+
+    @property
+    def inbox(self) -> dict[tuple[str, int, int], Message]:
+        """A snapshot of undelivered pushes, keyed by (sender, round, step)."""
+        with self._cond:
+            return {k: v[0] for k, v in self._inbox.items()}
+
+    def take(self, keys: Sequence[tuple[str, int, int]], deadline: float) -> dict[str, tuple[Message, int]]:
+        """Wait until every (sender, round, step) in ``keys`` was pushed or ``deadline`` (monotonic) passes.
+
+        Returns ``{sender: (message, wire_bytes)}`` for those that arrived, removing them from the inbox.
+        """
+        out: dict[str, tuple[Message, int]] = {}
+        with self._cond:
+            while True:
+                for key in keys:
+                    if key[0] not in out and key in self._inbox:
+                        out[key[0]] = self._inbox.pop(key)
+                left = deadline - time.monotonic()
+                if len(out) == len(keys) or self._stopping or left <= 0:
+                    return out
+                self._cond.wait(left)
+
+    # ---- RPC handlers ------------------------------------------------------------------------
+
+    def _reject(self, context: grpc.ServicerContext, rpc: str, who: str, code: grpc.StatusCode, msg: str) -> NoReturn:
+        log.warning("%s: rejected %s from %s: %s: %s", self.peer_id, rpc, who, code.name, msg)
+        context.abort(code, msg)
+        raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+    def _caller(self, context: grpc.ServicerContext, claimed: str, rpc: str) -> str:
+        """The authenticated caller id: the certificate's under TLS, the claimed one under --insecure."""
+        who = claimed or context.peer()
+        if self.tls is None:
+            if not claimed:
+                self._reject(context, rpc, who, grpc.StatusCode.UNAUTHENTICATED,
+                             "the request names no peer id (insecure mode identifies callers by the id they claim)")
+            return claimed
+        cert_id = caller_peer_id(context)
+        if cert_id is None:
+            self._reject(context, rpc, who, grpc.StatusCode.UNAUTHENTICATED,
+                         "the caller presented no usable peer certificate")
+        if claimed and claimed != cert_id:
+            self._reject(context, rpc, cert_id, grpc.StatusCode.PERMISSION_DENIED,
+                         f"the caller claims to be {claimed!r} but its certificate is for {cert_id!r}")
+        return cert_id
+
+    def _plan(self, round: int, step: int) -> MixingPlan:
+        assert self.topology is not None
+        return self.topology.plan(self.peer_id, round, step, seed=self.seed, mode=self.mode)
+
+    def _window_error(self, round: int) -> str | None:
+        """Why ``round`` is implausible now (older than retained, or more than one round ahead), or None."""
+        cur = self._round
+        if round < cur - 1:
+            return f"round {round} is no longer served: this peer is at round {cur} and keeps rounds >= {cur - 1}"
+        if round > cur + 1:
+            return f"round {round} is more than one round ahead of this peer (round {cur})"
+        return None
+
+    def _pull(self, request: peer_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        caller = self._caller(context, request.requester, "Pull")
+        r, s = int(request.round), int(request.step)
+        what = f"Pull(round {r}, step {s})"
+        if caller not in self._may_pull:
+            self._reject(context, what, caller, grpc.StatusCode.PERMISSION_DENIED,
+                         f"peer {caller!r} is not an out-neighbour of {self.peer_id!r} in the topology; it may not pull")
+        if request.topology_hash != self.topology_hash:
+            self._reject(context, what, caller, grpc.StatusCode.FAILED_PRECONDITION,
+                         f"topology hash {request.topology_hash!r} differs from this peer's {self.topology_hash!r}")
+        if self.mode != "pull":
+            self._reject(context, what, caller, grpc.StatusCode.FAILED_PRECONDITION,
+                         f"peer {self.peer_id!r} mixes in {self.mode} mode; it serves no pulls")
+        with self._cond:
+            why = self._window_error(r)
+        if why:
+            self._reject(context, what, caller, grpc.StatusCode.OUT_OF_RANGE, why)
+        if caller not in self._plan(r, s).out_weights:
+            self._reject(context, what, caller, grpc.StatusCode.PERMISSION_DENIED,
+                         f"peer {caller!r} does not pull from {self.peer_id!r} at round {r} step {s}")
+        try:
+            payload = self._wait_published((r, s), context)
+        except _Rejected as e:
+            self._reject(context, what, caller, e.code, e.message)
+        if payload is None:  # the caller went away
+            return
+        sent = 0
+        try:
+            for frame in payload.frames:
+                yield frame
+                sent += len(frame)
+        finally:
+            with self._cond:
+                self._served += sent
+                self._pulls_served += sent == payload.wire_bytes
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _wait_published(self, key: tuple[int, int], context: grpc.ServicerContext) -> EncodedPayload | None:
+        """Block (on the condition, no polling) until ``key`` is published, the caller's deadline or cancel."""
+        remaining = context.time_remaining()
+        budget = self.max_wait_s if remaining is None else min(remaining, self.max_wait_s)
+        limit = time.monotonic() + budget
+        context.add_callback(self._wake)  # a cancelled or expired call wakes the wait at once
+        with self._cond:
+            while True:
+                if self._stopping:
+                    raise _Rejected(grpc.StatusCode.UNAVAILABLE, f"peer {self.peer_id!r} is shutting down")
+                payload = self._published.get(key)
+                if payload is not None:
+                    return payload
+                if not context.is_active():
+                    return None
+                why = self._window_error(key[0])
+                if why:
+                    raise _Rejected(grpc.StatusCode.OUT_OF_RANGE, why)
+                left = limit - time.monotonic()
+                if left <= 0:
+                    raise _Rejected(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"round {key[0]} step {key[1]} was not published within {budget:.1f}s",
+                    )
+                self._cond.wait(left)
+
+    def _push(self, request_iterator: Iterator[peer_pb2.Chunk | RawData], context: grpc.ServicerContext) -> peer_pb2.PushReply:
+        cert_id = self._caller(context, "", "Push") if self.tls is not None else None
+        if cert_id is not None and cert_id not in self._may_push:
+            self._reject(context, "Push", cert_id, grpc.StatusCode.PERMISSION_DENIED,
+                         f"peer {cert_id!r} is not an in-neighbour of {self.peer_id!r} in the topology; it may not push")
+        who = cert_id or context.peer()
+        if self.mode != "push":
+            self._reject(context, "Push", who, grpc.StatusCode.FAILED_PRECONDITION,
+                         f"peer {self.peer_id!r} mixes in {self.mode} mode; it takes no pushes")
+        first = next(request_iterator, None)
+        if first is None:
+            self._reject(context, "Push", who, grpc.StatusCode.INVALID_ARGUMENT, "empty push stream (no header)")
+        if isinstance(first, RawData) or first.WhichOneof("body") != "header":
+            self._reject(context, "Push", who, grpc.StatusCode.INVALID_ARGUMENT,
+                         "data arrived before the header (the first chunk must be the header)")
+        h = first.header
+        r, s = int(h.round), int(h.step)
+        what = f"Push(round {r}, step {s})"
+        if cert_id is None:
+            if not h.sender:
+                self._reject(context, what, who, grpc.StatusCode.UNAUTHENTICATED, "the header names no sender")
+            caller = h.sender
+            if caller not in self._may_push:
+                self._reject(context, what, caller, grpc.StatusCode.PERMISSION_DENIED,
+                             f"peer {caller!r} is not an in-neighbour of {self.peer_id!r} in the topology; it may not push")
+        else:
+            caller = cert_id
+            if h.sender != cert_id:
+                self._reject(context, what, caller, grpc.StatusCode.PERMISSION_DENIED,
+                             f"the header names sender {h.sender!r} but the caller's certificate is for {cert_id!r}")
+        if h.topology_hash != self.topology_hash:
+            self._reject(context, what, caller, grpc.StatusCode.FAILED_PRECONDITION,
+                         f"topology hash {h.topology_hash!r} differs from this peer's {self.topology_hash!r} "
+                         "(the peers run different topology files)")
+        key = (caller, r, s)
+        with self._cond:
+            why = self._window_error(r)
+            dup = key in self._inbox
+            pending = sum(1 for k in self._inbox if k[0] == caller)
+        if why:
+            self._reject(context, what, caller, grpc.StatusCode.OUT_OF_RANGE, why)
+        if dup:
+            self._reject(context, what, caller, grpc.StatusCode.ALREADY_EXISTS,
+                         f"a payload from {caller!r} for round {r} step {s} is already waiting")
+        if pending >= self.max_pending:
+            self._reject(context, what, caller, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"{pending} pushes from {caller!r} are already waiting (limit {self.max_pending})")
+        plan = self._plan(r, s)
+        exp = Expectation(
+            specs=self.expected_specs, round=r, step=s, topology_hash=self.topology_hash,
+            senders=frozenset(plan.in_weights), scalar_keys=self.scalar_keys, max_bytes=self.max_bytes,
+        )
+        dec = Decoder(exp)
+        try:
+            dec.feed(first)
+            for item in request_iterator:
+                dec.feed(item)
+            if not context.is_active():
+                return peer_pb2.PushReply()
+            msg = dec.finish()
+        except WireError as e:
+            self._reject(context, what, caller, status_for(e), e.message)
+        with self._cond:
+            why = self._window_error(r)
+            if not why and key in self._inbox:
+                why = f"a payload from {caller!r} for round {r} step {s} is already waiting"
+            if not why:
+                self._inbox[key] = (msg, dec.wire_bytes)
+                self._cond.notify_all()
+        if why:
+            code = grpc.StatusCode.ALREADY_EXISTS if "already" in why else grpc.StatusCode.OUT_OF_RANGE
+            self._reject(context, what, caller, code, why)
+        return peer_pb2.PushReply(bytes_received=dec.wire_bytes)
+
+    def _status(self, request: peer_pb2.StatusRequest, context: grpc.ServicerContext) -> peer_pb2.StatusReply:
+        return peer_pb2.StatusReply(
+            peer_id=self.peer_id, round=self.round, topology_hash=self.topology_hash, version=_version()
+        )
+
+
+def _identity(b: bytes) -> bytes:
+    return b
