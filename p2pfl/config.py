@@ -193,8 +193,9 @@ def resolve_preset(algo: dict[str, Any]) -> dict[str, Any]:
     preset = algo.pop("preset", None)
     if preset is None:
         return algo
-    from p2pfl.algorithms.presets import PRESETS
+    from p2pfl.algorithms.presets import all_presets
 
+    PRESETS = all_presets()  # noqa: N806
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r} (known: {sorted(PRESETS)})")
     merged = {**PRESETS[preset], **algo}

@@ -107,5 +107,5 @@ class Experiment:
                     models=models, layout=self.layout, state=state, generator=gen, seed=self.cfg.seed,
                     rounds=rounds or self.cfg.rounds, deadline_s=self.cfg.network.round_timeout_s, record=record,
                     eval_every=self.cfg.eval_every, checkpoint_path=ckpt, checkpoint_every=self.cfg.checkpoint_every,
-                    stop=stop, on_round=on_round)
+                    stop=stop, on_round=on_round, quorum=self.cfg.network.quorum)
         return node

@@ -7,6 +7,7 @@ Node in its own process with the gRPC transport. Same code, same seeds, same res
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +36,7 @@ class Node:
                  generator: torch.Generator, seed: int, rounds: int, deadline_s: float,
                  record: Recorder, eval_every: int = 1, checkpoint_path: Path | None = None,
                  checkpoint_every: int = 1, stop: threading.Event | None = None,
-                 on_round: Callable[[int], None] | None = None) -> None:
+                 on_round: Callable[[int], None] | None = None, quorum: float = 0.0) -> None:
         self.peer_id = peer_id
         self.topology = topology
         self.topology_hash = topology.hash()
@@ -55,6 +56,7 @@ class Node:
         self.checkpoint_every = checkpoint_every
         self.stop = stop or threading.Event()
         self.on_round = on_round
+        self.quorum = quorum
 
     # -- resume ------------------------------------------------------------------------------
     def resume(self) -> bool:
@@ -96,6 +98,13 @@ class Node:
             res = self.transport.exchange(msg, plan, self.deadline_s)
             if res.missing:
                 log.warning("%s round %d step %d: no payload from %s", self.peer_id, r, step, ",".join(res.missing))
+            need = math.ceil(self.quorum * len(plan.in_weights) - 1e-9)
+            if len(res.received) < need and plan.mode == "pull":
+                # Below quorum: do not let a few neighbours drag the model; keep our own this step.
+                # (Push-sum mixes anyway: its weight already accounts for lost mass.)
+                log.error("%s round %d step %d: quorum not met (%d of %d needed); keeping own model",
+                          self.peer_id, r, step, len(res.received), need)
+                res.received = {}
             if step == 0 and res.received:
                 mean = torch.stack([m.flat for m in res.received.values()]).mean(0)
                 consensus = float(torch.linalg.vector_norm(msg.flat - mean))

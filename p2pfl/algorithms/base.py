@@ -108,6 +108,10 @@ class Algorithm(ABC):
         """The tensors this algorithm puts on the wire; receivers validate against it."""
         return self.layout.shared_specs() if self.shares == "shared" else self.layout.specs
 
+    def wire_scalars(self) -> tuple[str, ...]:
+        """Names of the scalars every message carries (e.g. the push-sum weight); receivers check them."""
+        return ()
+
     def outgoing(self, state: PeerState, round: int, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         """The flat tensor and scalars to send for (round, step). Default: the shared prefix."""
         n = self.layout.num_shared if self.shares == "shared" else self.layout.numel

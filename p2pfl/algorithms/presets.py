@@ -1,7 +1,19 @@
-"""Named hyperparameter presets (``algorithm.preset`` in a config); config keys override them."""
+"""Named hyperparameter presets (``algorithm.preset`` in a config); config keys override them.
+
+Each algorithm module declares its papers' presets in a module-level ``PRESETS`` dict (next to
+the algorithm, with the ambiguity choices in its docstring); this collects them.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-PRESETS: dict[str, dict[str, Any]] = {}
+
+def all_presets() -> dict[str, dict[str, Any]]:
+    from p2pfl.algorithms import ALGORITHMS
+
+    out: dict[str, dict[str, Any]] = {}
+    for module in sorted({target.split(":")[0] for target in ALGORITHMS.values()}):
+        out.update(getattr(importlib.import_module(module), "PRESETS", {}))
+    return out

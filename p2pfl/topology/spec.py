@@ -129,9 +129,11 @@ class Topology:
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples, so the object is immutable and hashable.
         object.__setattr__(self, "peers", tuple(self.peers))
-        object.__setattr__(
-            self, "edges", tuple((e[0], e[1]) if len(e) == 2 else tuple(e) for e in self.edges)
-        )
+        try:
+            edges = tuple(tuple(e) for e in self.edges)
+        except TypeError:
+            raise TopologyError("edges must be a sequence of (src, dst) pairs") from None
+        object.__setattr__(self, "edges", edges)
         object.__setattr__(self, "_derived", _validate(self))
 
     # ---- lookups -------------------------------------------------------------------------------

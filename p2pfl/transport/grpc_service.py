@@ -450,7 +450,7 @@ class PeerServer:
             return
         sent = 0
         try:
-            for frame in payload.frames:
+            for frame in payload:
                 yield frame
                 sent += len(frame)
         finally:

@@ -20,10 +20,14 @@ there to catch corruption or a reassembly bug (TLS already authenticates the byt
 
 from __future__ import annotations
 
+import functools
+import math
+import os
 import sys
+import threading
 import zlib
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent import futures
 from typing import NamedTuple
 
 import numpy as np
@@ -32,13 +36,16 @@ import torch
 from p2pfl.messages import Message
 from p2pfl.models.layout import TensorSpec
 from p2pfl.proto import peer_pb2
-from p2pfl.wire.validate import DTYPE, Expectation, Reason, WireError, check_finite, check_header
+from p2pfl.wire.validate import DTYPE, Expectation, Reason, WireError, all_finite, check_finite, check_header
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "PARALLEL_MIN_BYTES",
     "Decoder",
     "EncodedPayload",
     "RawData",
+    "crc32",
+    "crc32_combine",
     "decode",
     "encode",
     "encode_frames",
@@ -46,6 +53,9 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+#: Payloads at least this large are checksummed / verified on the wire worker threads.
+PARALLEL_MIN_BYTES = 4 << 20
+_CRC_PIECE = 4 << 20
 
 # Protobuf tags of Chunk's oneof fields (field number << 3 | wire type 2 = length-delimited).
 _TAG_HEADER = (1 << 3) | 2
@@ -64,6 +74,90 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+# ---- CRC-32 in pieces ---------------------------------------------------------------------------
+# zlib.crc32 releases the GIL, so pieces of a large buffer can be checksummed on worker threads,
+# overlapping with the network, if the pieces' CRCs can be joined: crc32_combine (zlib's algorithm,
+# which Python does not expose) does that from a 32x32 GF(2) operator per piece length, cached.
+
+_POLY = 0xEDB88320
+
+
+def _gf2_times(mat: Sequence[int], vec: int) -> int:
+    s = 0
+    i = 0
+    while vec:
+        if vec & 1:
+            s ^= mat[i]
+        vec >>= 1
+        i += 1
+    return s
+
+
+def _gf2_square(mat: Sequence[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_operator(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) matrix that advances a CRC-32 register over ``nbytes`` zero bytes."""
+    op = [1 << i for i in range(32)]
+    odd = [_POLY] + [1 << (n - 1) for n in range(1, 32)]  # one zero bit
+    even = _gf2_square(odd)  # two zero bits
+    odd = _gf2_square(even)  # four zero bits
+    n = nbytes
+    while True:
+        even = _gf2_square(odd)
+        if n & 1:
+            op = [_gf2_times(even, c) for c in op]
+        n >>= 1
+        if not n:
+            break
+        odd = _gf2_square(even)
+        if n & 1:
+            op = [_gf2_times(odd, c) for c in op]
+        n >>= 1
+        if not n:
+            break
+    return tuple(op)
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
+    if len2 <= 0:
+        return crc1
+    return _gf2_times(_zeros_operator(len2), crc1) ^ crc2
+
+
+_POOL: futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> futures.ThreadPoolExecutor:
+    """The wire worker threads (shared by every encoder/decoder of the process; created on first use)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = futures.ThreadPoolExecutor(
+                max_workers=max(2, min(4, os.cpu_count() or 1)), thread_name_prefix="p2pfl-wire"
+            )
+        return _POOL
+
+
+def crc32(view: memoryview, piece: int = _CRC_PIECE) -> int:
+    """zlib.crc32 of ``view``; large buffers are split over the wire worker threads."""
+    if view.nbytes < 2 * piece:
+        return zlib.crc32(view)
+    pieces = [view[i : i + piece] for i in range(0, view.nbytes, piece)]
+    crcs = list(_pool().map(zlib.crc32, pieces))
+    out = crcs[0]
+    for p, c in zip(pieces[1:], crcs[1:], strict=True):
+        out = crc32_combine(out, c, p.nbytes)
+    return out
+
+
+# ---- encoding -----------------------------------------------------------------------------------
+
+
 def _payload_view(msg: Message) -> tuple[peer_pb2.Header, memoryview]:
     """The header and a byte view of ``msg.flat`` (CPU, contiguous, little-endian), without copying on CPU."""
     flat = msg.flat.detach()
@@ -76,10 +170,11 @@ def _payload_view(msg: Message) -> tuple[peer_pb2.Header, memoryview]:
     flat = flat.contiguous()
     offset = 0
     for s in msg.manifest:
-        if s.offset != offset or s.numel != int(np.prod(s.shape, dtype=np.int64)):
+        numel = math.prod(s.shape)
+        if s.offset != offset or s.numel != numel:
             raise ValueError(
                 f"manifest entry {s.name!r} is not laid out back to back (offset {s.offset}, numel {s.numel}, "
-                f"expected offset {offset}, numel {int(np.prod(s.shape, dtype=np.int64))})"
+                f"expected offset {offset}, numel {numel})"
             )
         offset += s.numel
     if offset != flat.numel():
@@ -96,7 +191,7 @@ def _payload_view(msg: Message) -> tuple[peer_pb2.Header, memoryview]:
         manifest=[peer_pb2.TensorEntry(name=s.name, dtype=DTYPE, shape=list(s.shape)) for s in msg.manifest],
         scalars={str(k): float(v) for k, v in msg.scalars.items()},
         total_bytes=view.nbytes,
-        crc32=zlib.crc32(view),
+        crc32=crc32(view),
     )
     return header, view
 
@@ -117,38 +212,72 @@ def encode(msg: Message, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[peer_pb
     return chunks
 
 
-@dataclass(frozen=True)
 class EncodedPayload:
-    """A message encoded once: the serialized Chunks (header first), ready to be served to every puller."""
+    """A message encoded once, served to every puller / pushed to every receiver.
 
-    header: peer_pb2.Header
-    frames: tuple[bytes, ...]
+    The header (with the CRC-32 of all tensor bytes) is built at once; each data frame — the
+    Chunk's wire form written directly: tag, varint length, bytes, i.e. one copy of the tensor
+    bytes — is built the first time any reader needs it and then kept. So the copy happens while
+    the first stream is already flowing (as in a plain bytes stream) rather than up front, and
+    only once however many neighbours read the payload. The source tensor must not change after
+    publishing (the Node publishes a snapshot); if it did, the receivers' CRC check would refuse it.
+    """
+
+    def __init__(self, header: peer_pb2.Header, view: memoryview, chunk_bytes: int) -> None:
+        self.header = header
+        self.header_frame = peer_pb2.Chunk(header=header).SerializeToString()
+        self.chunk_bytes = chunk_bytes
+        self._view: memoryview | None = view
+        self._frames: list[bytes | None] = [None] * -(-view.nbytes // chunk_bytes)
+        self._missing = len(self._frames)
+        self._lock = threading.Lock()
+        sizes = [min(chunk_bytes, view.nbytes - i) for i in range(0, view.nbytes, chunk_bytes)]
+        self.wire_bytes = len(self.header_frame) + sum(1 + len(_varint(n)) + n for n in sizes)
+        """Serialized size of all chunks (the protobuf bytes gRPC carries, without its 5-byte framing)."""
+
+    def __len__(self) -> int:
+        """Number of frames, the header included."""
+        return 1 + len(self._frames)
+
+    def frame(self, i: int) -> bytes:
+        """Serialized Chunk ``i`` (0 is the header)."""
+        if i == 0:
+            return self.header_frame
+        f = self._frames[i - 1]
+        if f is not None:
+            return f
+        with self._lock:
+            f = self._frames[i - 1]
+            if f is None:
+                assert self._view is not None
+                start = (i - 1) * self.chunk_bytes
+                piece = self._view[start : start + self.chunk_bytes]
+                f = b"".join((bytes((_TAG_DATA,)), _varint(piece.nbytes), piece))
+                self._frames[i - 1] = f
+                self._missing -= 1
+                if not self._missing:
+                    self._view = None  # every frame exists: let the source tensor go
+            return f
+
+    def __iter__(self) -> Iterator[bytes]:
+        for i in range(len(self)):
+            yield self.frame(i)
 
     @property
-    def wire_bytes(self) -> int:
-        """Serialized size of all chunks (the protobuf bytes gRPC sends, without its 5-byte framing)."""
-        return sum(len(f) for f in self.frames)
+    def frames(self) -> tuple[bytes, ...]:
+        """All serialized Chunks, header first (builds the missing ones)."""
+        return tuple(self)
 
     def chunks(self) -> list[peer_pb2.Chunk]:
         """The frames parsed back into Chunk messages (for generated stubs and tests)."""
-        return [peer_pb2.Chunk.FromString(f) for f in self.frames]
+        return [peer_pb2.Chunk.FromString(f) for f in self]
 
 
 def encode_frames(msg: Message, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> EncodedPayload:
-    """``msg`` as serialized Chunks; byte-identical to serializing `encode`'s data chunks.
-
-    A data frame is the Chunk's wire form written directly — tag, varint length, bytes — so the
-    tensor bytes are copied once (into the frame gRPC sends) instead of into a protobuf object and
-    again when it is serialized.
-    """
+    """``msg`` as serialized Chunks, byte-identical to serializing `encode`'s chunks (data frames lazily)."""
     _check_chunk_bytes(chunk_bytes)
     header, view = _payload_view(msg)
-    frames = [peer_pb2.Chunk(header=header).SerializeToString()]
-    tag = bytes([_TAG_DATA])
-    for i in range(0, view.nbytes, chunk_bytes):
-        piece = view[i : i + chunk_bytes]
-        frames.append(b"".join((tag, _varint(piece.nbytes), piece)))
-    return EncodedPayload(header=header, frames=tuple(frames))
+    return EncodedPayload(header, view, chunk_bytes)
 
 
 class RawData(NamedTuple):
@@ -181,6 +310,16 @@ def parse_frame(buf: bytes) -> peer_pb2.Chunk | RawData:
     return peer_pb2.Chunk.FromString(buf)
 
 
+def _absorb(buf: memoryview, values: np.ndarray, pos: int, data: bytes | memoryview) -> tuple[int, bool | None]:
+    """Copy one chunk into place; return its CRC-32 and whether its whole floats are finite (None: unaligned)."""
+    n = len(data)
+    buf[pos : pos + n] = data
+    crc = zlib.crc32(data)
+    if pos % 4 or n % 4:
+        return crc, None
+    return crc, all_finite(values[pos // 4 : (pos + n) // 4])
+
+
 class Decoder:
     """Reassemble one payload chunk by chunk, checking as it goes; `finish` yields the Message.
 
@@ -188,17 +327,25 @@ class Decoder:
     data chunk is checked against the declared and maximal sizes before it is copied, and the
     checksum and finiteness are checked at the end. Nothing outside the decoder changes before
     `finish` returns, so a rejected payload leaves the receiver's state as it was.
+
+    For payloads of at least ``parallel_min_bytes`` the per-chunk work (copy into place, CRC-32,
+    NaN/Inf scan; all but the copy release the GIL) runs on the wire worker threads, overlapping
+    with the reception of the next chunks; the chunk CRCs are joined with `crc32_combine`.
     """
 
-    def __init__(self, expected: Expectation) -> None:
+    def __init__(self, expected: Expectation, *, parallel_min_bytes: int = PARALLEL_MIN_BYTES) -> None:
         self.expected = expected
+        self.parallel_min_bytes = parallel_min_bytes
         self.header: peer_pb2.Header | None = None
         self.wire_bytes = 0
         self._specs: tuple[TensorSpec, ...] = ()
         self._buf: np.ndarray | None = None
         self._view: memoryview | None = None
+        self._values: np.ndarray | None = None
         self._pos = 0
-        self._crc = 0
+        self._parallel = False
+        # per chunk: (length, CRC-32 and finiteness, or the future computing them)
+        self._parts: list[tuple[int, tuple[int, bool | None] | futures.Future[tuple[int, bool | None]]]] = []
 
     @property
     def received(self) -> int:
@@ -228,9 +375,11 @@ class Decoder:
         # np.empty: no zero-fill pass over a buffer every byte of which is about to be written.
         self._buf = np.empty(header.total_bytes, dtype=np.uint8)
         self._view = memoryview(self._buf)
+        self._values = self._buf[: header.total_bytes - header.total_bytes % 4].view("<f4")
+        self._parallel = header.total_bytes >= self.parallel_min_bytes
 
     def _data(self, data: bytes | memoryview) -> None:
-        if self.header is None or self._view is None:
+        if self.header is None or self._view is None or self._values is None:
             raise WireError(Reason.MISSING_HEADER, "data arrived before the header (the first chunk must be the header)")
         n = len(data)
         end = self._pos + n
@@ -242,8 +391,12 @@ class Decoder:
                     f"stream exceeds the limit of {self.expected.max_bytes} bytes (at least {end} bytes sent)",
                 )
             raise WireError(Reason.LENGTH, f"stream carries more than the {total} bytes its header declares")
-        self._view[self._pos : end] = data
-        self._crc = zlib.crc32(data, self._crc)
+        if not n:
+            return
+        if self._parallel:
+            self._parts.append((n, _pool().submit(_absorb, self._view, self._values, self._pos, data)))
+        else:
+            self._parts.append((n, _absorb(self._view, self._values, self._pos, data)))
         self._pos = end
 
     def finish(self) -> Message:
@@ -253,30 +406,41 @@ class Decoder:
             raise WireError(Reason.MISSING_HEADER, "the payload has no header")
         if self._pos != h.total_bytes:
             raise WireError(Reason.TRUNCATED, f"stream ended after {self._pos} of {h.total_bytes} bytes")
-        if self._crc != h.crc32:
+        crc = 0
+        all_finite = True
+        for n, part in self._parts:
+            c, finite = part.result() if isinstance(part, futures.Future) else part
+            crc = crc32_combine(crc, c, n)
+            all_finite = all_finite and finite is True
+        if crc != h.crc32:
             raise WireError(
                 Reason.CHECKSUM,
-                f"CRC-32 of the {self._pos} received bytes is {self._crc:#010x}, the header says {h.crc32:#010x}",
+                f"CRC-32 of the {self._pos} received bytes is {crc:#010x}, the header says {h.crc32:#010x}",
             )
         values = self._buf.view("<f4")
-        check_finite(values, self._specs)
+        if not all_finite:
+            check_finite(values, self._specs)
         if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
             values = values.astype(np.float32)
-        flat = torch.from_numpy(values)
         return Message(
             sender=h.sender,
             round=int(h.round),
             step=int(h.step),
             topology_hash=h.topology_hash,
             manifest=self._specs,
-            flat=flat,
+            flat=torch.from_numpy(values),
             scalars={k: float(h.scalars[k]) for k in sorted(h.scalars)},
         )
 
 
-def decode(chunks: Iterable[peer_pb2.Chunk | RawData], expected: Expectation) -> Message:
+def decode(
+    chunks: Iterable[peer_pb2.Chunk | RawData],
+    expected: Expectation,
+    *,
+    parallel_min_bytes: int = PARALLEL_MIN_BYTES,
+) -> Message:
     """Reassemble and validate a payload; `WireError` names the first rule it breaks."""
-    dec = Decoder(expected)
+    dec = Decoder(expected, parallel_min_bytes=parallel_min_bytes)
     for c in chunks:
         dec.feed(c)
     return dec.finish()

@@ -1,0 +1,111 @@
+"""The one alternating (block-coordinate) local update of the partial-personalization methods.
+
+DFedMDC/DFedSMDC (spec 000 §2.2), DePRL (spec 004 §1.3) and DFedPGP (spec 001 §1.2) share one
+local round shape, inherited from FedRep/FedAlt:
+
+1. **head phase**: train the personal head v_i with the shared body frozen at its current value;
+2. **body phase**: train the shared body u_i with the head frozen at the *new* v_i^{t+1}.
+
+Each phase is a separate ``run_sgd`` call, so each has its own optimizer (own lr, momentum,
+weight decay, momentum buffer reset every round) and the frozen block is not even in the
+optimizer: momentum and weight decay never touch it, and ``trainable`` switches its gradients off
+(spec 000 checklist 2-3, spec 001 checklist 2). Either phase may use SAM (the one implementation in
+``sam.py``) over *its own* parameters only: the SAM norm is then the global L2 norm over that
+block, and both SAM gradients use the same minibatch (spec 000 A6). A phase of zero length is
+skipped, so "no local work" is expressible (used by tests and by push-sum checks).
+
+Order is fixed head-then-body: all three papers put the personal phase first, and the body
+gradient must see the already-updated head (spec 000 §2.1 lines 4-10, spec 001 eq. 20, spec 004
+eqs. 3-7). Joint updates are deliberately not offered here; they are what the full-model
+baselines do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from p2pfl.algorithms.base import HyperparameterError, TrainContext
+from p2pfl.algorithms.local_sgd import run_sgd
+from p2pfl.algorithms.sam import sam_step
+
+UNITS = ("steps", "epochs")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """How one block trains in one round.
+
+    ``amount`` is counted in ``unit``: ``"steps"`` = that many fresh random minibatches,
+    ``"epochs"`` = that many shuffled passes over the peer's data (fractions allowed, see
+    ``local_sgd.batches``). ``sam_rho > 0`` makes every step a SAM step over this block.
+    """
+
+    lr: float
+    amount: float
+    unit: str = "epochs"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    sam_rho: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.unit not in UNITS:
+            raise HyperparameterError(f"unit must be one of {UNITS}, got {self.unit!r}")
+        if self.amount < 0:
+            raise HyperparameterError(f"local amount must be >= 0, got {self.amount}")
+        if self.unit == "steps" and float(self.amount) != int(self.amount):
+            raise HyperparameterError(f"a number of steps must be an integer, got {self.amount}")
+        if self.sam_rho < 0:
+            raise HyperparameterError(f"SAM rho must be >= 0, got {self.sam_rho}")
+
+    @property
+    def empty(self) -> bool:
+        return float(self.amount) == 0.0
+
+
+def check_unit(algo: str, key: str, value: Any) -> None:
+    """Refuse a unit that is not steps/epochs, naming the hyperparameter."""
+    if value not in UNITS:
+        raise HyperparameterError(f"{algo}: {key} must be one of {UNITS}, got {value!r}")
+
+
+def check_amount(algo: str, key: str, value: Any, unit: str) -> None:
+    """A phase length must be a number >= 0 (an integer when counted in steps)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise HyperparameterError(f"{algo}: {key} must be a number, got {value!r}") from None
+    if not v >= 0:
+        raise HyperparameterError(f"{algo}: {key} must be >= 0, got {value!r}")
+    if unit == "steps" and v != int(v):
+        raise HyperparameterError(f"{algo}: {key} counts steps and must be an integer, got {value!r}")
+
+
+def run_phase(ctx: TrainContext, params: list, phase: Phase) -> float | None:
+    """Train ``params`` (all others frozen) for one phase; return its mean loss (None if skipped)."""
+    if phase.empty:
+        return None
+    amount = {"steps": int(phase.amount)} if phase.unit == "steps" else {"epochs": float(phase.amount)}
+    step_fn = sam_step(ctx.model, params, phase.sam_rho) if phase.sam_rho > 0 else None
+    return run_sgd(ctx, params, lr=phase.lr, momentum=phase.momentum, weight_decay=phase.weight_decay,
+                   step_fn=step_fn, **amount)
+
+
+def alternating_update(ctx: TrainContext, head: Phase, body: Phase) -> dict[str, float]:
+    """Head phase (body frozen), then body phase (new head frozen); returns the training losses.
+
+    ``train_loss`` is the body phase's mean loss (the last model the round trained), or the head
+    phase's when the body phase is empty.
+    """
+    head_params = ctx.layout.personal_params(ctx.model)
+    body_params = ctx.layout.shared_params(ctx.model)
+    head_loss = run_phase(ctx, head_params, head)
+    body_loss = run_phase(ctx, body_params, body)
+    out: dict[str, float] = {}
+    if head_loss is not None:
+        out["head_loss"] = head_loss
+    if body_loss is not None:
+        out["body_loss"] = body_loss
+    last = body_loss if body_loss is not None else head_loss
+    out["train_loss"] = 0.0 if last is None else last
+    return out

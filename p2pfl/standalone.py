@@ -1,0 +1,198 @@
+"""One peer as its own process (``p2pfl node``), a local multi-process launch (``p2pfl launch``),
+and a health probe (``p2pfl health``).
+
+A standalone peer serves the gRPC peer service on the address its topology gives it, runs the
+same Node round loop as the simulation over the gRPC transport, checkpoints every round and
+resumes from its checkpoint when restarted. SIGTERM stops it cleanly between rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from p2pfl.config import ExperimentConfig
+
+log = logging.getLogger(__name__)
+
+
+def network_for(cfg: ExperimentConfig, certs: Path | None, insecure: bool) -> Any:
+    """The config's network settings with the command line's TLS choice applied (never a silent fallback)."""
+    net = cfg.network
+    if insecure:
+        return dataclasses.replace(net, insecure=True, certs=None)
+    certs_dir = str(certs) if certs is not None else net.certs
+    if not certs_dir and not net.insecure:
+        raise ValueError("no certificates: pass --certs DIR (made by `p2pfl certs`) or --insecure for plaintext")
+    return dataclasses.replace(net, certs=certs_dir)
+
+
+def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path | None = None,
+             insecure: bool = False, stop: threading.Event | None = None, threads: int = 1) -> dict[str, Any]:
+    """Serve and run one peer to the end (or until ``stop``); return its last metrics record."""
+    import torch
+
+    from p2pfl.experiment import Experiment
+    from p2pfl.modelpool import ModelPool
+    from p2pfl.runfolder import MetricsWriter
+    from p2pfl.transport.grpc_transport import start_grpc_peer
+
+    torch.set_num_threads(threads)  # 1 thread: bitwise the same as the simulation on CPU
+    exp = Experiment.from_config(cfg)
+    if peer_id not in exp.topology.ids:
+        raise ValueError(f"peer {peer_id!r} is not in topology {cfg.topology} (peers: {', '.join(exp.topology.ids)})")
+    network = network_for(cfg, certs, insecure)
+    algo = exp.new_algorithm()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    transport = start_grpc_peer(exp.topology, peer_id, network, expected_specs=algo.wire_specs(),
+                                scalar_keys=algo.wire_scalars(), seed=cfg.seed, mode=algo.mode)
+    last: dict[str, Any] = {}
+    metrics_path = out_dir / f"metrics-{peer_id}.jsonl"
+    try:
+        ckpt_exists = (out_dir / "checkpoints" / f"{peer_id}.npz").exists()
+        writer = MetricsWriter(metrics_path, truncate=not ckpt_exists)
+
+        def record(rec: dict[str, Any]) -> None:
+            last.clear()
+            last.update(rec)
+            writer(rec)
+            log.info("%s round %d: acc=%s loss=%s sent=%d recv=%d missing=%s", peer_id, rec["round"],
+                     rec.get("acc"), rec.get("loss"), rec["bytes_sent"], rec["bytes_recv"], rec.get("missing"))
+
+        node = exp.make_node(peer_id, transport=transport, models=ModelPool(exp.model_factory, 1), record=record,
+                             run_dir=out_dir, stop=stop)
+        if node.resume():
+            log.warning("%s: resuming at round %d", peer_id, node.state.round)
+        node.run()
+        writer.close()
+    finally:
+        transport.close()
+    return last
+
+
+def node_main(cfg: ExperimentConfig, peer_id: str, out_dir: Path, certs: Path | None, insecure: bool,
+              threads: int) -> int:
+    """``p2pfl node``: SIGTERM/SIGINT stop between rounds; exit 0 when done or stopped cleanly."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.warning("%s: signal %d: stopping after this round", peer_id, signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    run_node(cfg, peer_id, out_dir, certs=certs, insecure=insecure, stop=stop, threads=threads)
+    return 0
+
+
+def check_health(address: str, *, certs: Path | None, peer: str | None, target: str | None, insecure: bool,
+                 timeout_s: float = 5.0) -> bool:
+    """True if the peer at ``address`` reports SERVING on the standard gRPC health service."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if insecure:
+        channel = grpc.insecure_channel(address)
+    else:
+        from p2pfl.security.certs import TLSConfig
+
+        if certs is None or peer is None:
+            raise ValueError("TLS health check needs --certs DIR and --peer ID (or --insecure)")
+        tls = TLSConfig.load(certs, peer)
+        channel = grpc.secure_channel(address, tls.channel_credentials(),
+                                      options=[("grpc.ssl_target_name_override", target or peer)])
+    with channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                             timeout=timeout_s, wait_for_ready=False)
+        except grpc.RpcError as exc:
+            log.info("health check of %s failed: %s", address, exc.code())
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# -- launch ----------------------------------------------------------------------------------------
+def launch(config: Path, cfg: ExperimentConfig, out_dir: Path, sets: list[str], *, insecure: bool = False,
+           timeout_s: float | None = None, verbose: bool = False) -> dict[str, Any]:
+    """Start one ``p2pfl node`` process per peer on loopback, stream their logs, merge their metrics."""
+    from p2pfl.experiment import Experiment
+    from p2pfl.runfolder import plot_accuracy, sort_metrics, summarize, write_inputs, write_summary
+
+    exp = Experiment.from_config(cfg)
+    topo = exp.topology
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_inputs(out_dir, cfg.raw, topo.to_dict(), exp.partition)
+    certs_dir = out_dir / "certs"
+    if not insecure:
+        from p2pfl.security.certs import make_certs
+
+        make_certs(list(topo.ids), certs_dir)
+    procs: dict[str, subprocess.Popen] = {}
+    pumps: list[threading.Thread] = []
+    t0 = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for pid in topo.ids:
+        cmd = [sys.executable, "-m", "p2pfl.cli", "node", "--config", str(config), "--peer", pid, "--out", str(out_dir)]
+        for s in sets:
+            cmd += ["--set", s]
+        cmd += ["--insecure"] if insecure else ["--certs", str(certs_dir)]
+        if verbose:
+            cmd.append("--verbose")
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             start_new_session=True)
+        procs[pid] = p
+        th = threading.Thread(target=_pump, args=(pid, p), daemon=True)
+        th.start()
+        pumps.append(th)
+    failed: dict[str, int] = {}
+    try:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for pid, p in procs.items():
+            left = None if deadline is None else max(0.1, deadline - time.monotonic())
+            try:
+                rc = p.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                rc = -1
+                p.kill()
+            if rc != 0:
+                failed[pid] = rc
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        for th in pumps:
+            th.join(timeout=5)
+    wall = time.perf_counter() - t0
+    merged = out_dir / "metrics.jsonl"
+    with open(merged, "w") as f:
+        for pid in topo.ids:
+            part = out_dir / f"metrics-{pid}.jsonl"
+            if part.exists():
+                f.write(part.read_text())
+    recs = sort_metrics(merged, list(topo.ids))
+    summary = summarize(recs, {"name": cfg.name, "algorithm": cfg.algorithm_name, "seed": cfg.seed, "mode": "launch",
+                               "wall_seconds": wall, "wall_seconds_per_round": wall / cfg.rounds,
+                               "failed_peers": failed, "tls": not insecure})
+    write_summary(out_dir, summary)
+    plot_accuracy(recs, out_dir / "accuracy.png", f"{cfg.name}: {cfg.algorithm_name} (launch)")
+    return summary
+
+
+def _pump(pid: str, proc: subprocess.Popen) -> None:
+    """Prefix and stream one peer's output."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(f"[{pid}] {line}")
+        sys.stdout.flush()

@@ -1,0 +1,610 @@
+"""Parameter sweeps: one base config, a grid of overrides (and named cases), one run folder per cell.
+
+A sweep file::
+
+    name: fmnist-pi                     # optional; default: the file's stem
+    base: peers/demo.yaml               # relative to the working directory, else to the sweep file
+    set: [rounds=100]                   # optional; applied to every cell
+    cases:                              # optional; named override sets, crossed with the grid
+      - {name: dfedavg, set: {algorithm: {name: dfedavg, preset: dfedavg-paper}}}
+      - {name: deprl, set: [algorithm.name=deprl, algorithm.preset=deprl-paper]}
+    grid:                               # dotted config key -> list of values
+      data.partition.pi: [0.1, 0.3]
+      seed: [1, 12, 123]
+
+Every cell (base + ``set`` + its case + its grid values) is validated before anything runs, so a
+typo in the last cell does not surface hours into the sweep. Each cell runs as its own
+``p2pfl simulate`` subprocess (a crash in one cell cannot take the others down, and its output
+lands in ``<cell>/log.txt``). The sweep is resumable: a cell whose ``summary.json`` exists and
+whose saved config matches the planned one is done; anything else in its folder is an
+interrupted or failed attempt and is deleted and rerun from scratch, so no cell ever mixes two
+attempts. ``sweep.json`` in the sweep folder lists every cell, its overrides and its status.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from p2pfl.config import ConfigError, apply_overrides, parse_config, resolve_path
+
+#: Longest cell folder name before it is shortened with a hash suffix (filesystems allow 255).
+MAX_CELL_NAME = 100
+#: Config keys whose value cannot change a run's results (bitwise independent of the worker
+#: count), so a finished cell still counts as finished when ``--jobs`` changes them.
+RESULT_NEUTRAL_KEYS = ("simulation.workers",)
+#: How long an interrupted cell gets to stop cleanly (its own worker processes) before it is killed.
+STOP_GRACE_S = 15.0
+
+
+class SweepError(ValueError):
+    """The sweep file or one of its cells is invalid; nothing was run."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """A named set of overrides crossed with the grid (e.g. an algorithm with its own preset)."""
+
+    name: str
+    overrides: tuple[tuple[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A parsed sweep file. Overrides are ``(dotted key, value)`` pairs, applied in order."""
+
+    name: str
+    path: Path | None
+    base: Path
+    overrides: tuple[tuple[str, Any], ...]
+    grid: tuple[tuple[str, tuple[Any, ...]], ...]
+    cases: tuple[Case, ...]
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent if self.path is not None else Path.cwd()
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One planned run: its folder name, what distinguishes it, and its validated config."""
+
+    name: str
+    case: str | None
+    values: dict[str, Any]  # grid key -> value for this cell
+    overrides: list[str]  # every override applied on top of the base, as KEY=VALUE (for people)
+    config: dict[str, Any]  # resolved config (ExperimentConfig.raw), written to <cell>/config.yaml
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    status: str  # finished (earlier) | done (now) | failed | interrupted | pending | planned
+    error: str | None = None
+    seconds: float | None = None
+    found: str = "new"  # what was in its folder before: new | finished | interrupted | stale (see cell_state)
+
+
+@dataclass
+class SweepResult:
+    out: Path
+    cells: list[CellResult] = field(default_factory=list)
+
+    def count(self, status: str) -> int:
+        return sum(1 for c in self.cells if c.status == status)
+
+    @property
+    def failed(self) -> list[CellResult]:
+        return [c for c in self.cells if c.status == "failed"]
+
+    @property
+    def ran(self) -> int:
+        """Cells started by this invocation (done or failed)."""
+        return self.count("done") + self.count("failed")
+
+
+# --------------------------------------------------------------------------------------------
+# sweep file
+
+
+def _parse_overrides(value: Any, where: str) -> tuple[tuple[str, Any], ...]:
+    """``set`` is a list of KEY=VALUE strings (as on the command line) or a mapping key -> value."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        pairs = []
+        for key, val in value.items():
+            if not isinstance(key, str) or not key:
+                raise SweepError(f"{where}: keys must be dotted config keys, got {key!r}")
+            pairs.append((key, val))
+        return tuple(pairs)
+    if isinstance(value, list):
+        pairs = []
+        for item in value:
+            if not isinstance(item, str) or "=" not in item:
+                raise SweepError(f"{where}: {item!r} is not KEY=VALUE")
+            key, _, text = item.partition("=")
+            # apply_overrides parses VALUE exactly as `--set` does; reuse it on an empty dict.
+            try:
+                parsed = apply_overrides({}, [f"v={text}"])["v"]
+            except ConfigError as exc:
+                raise SweepError(f"{where}: {exc}") from None
+            pairs.append((key.strip(), parsed))
+        return tuple(pairs)
+    raise SweepError(f"{where}: must be a list of KEY=VALUE strings or a mapping")
+
+
+def parse_sweep(data: Any, path: Path | None = None) -> SweepSpec:
+    """Validate the structure of a sweep file (cells are validated later, by :func:`plan_cells`)."""
+    where = str(path) if path is not None else "sweep"
+    if not isinstance(data, dict):
+        raise SweepError(f"{where}: a sweep file must be a YAML mapping")
+    unknown = set(data) - {"name", "base", "set", "grid", "cases"}
+    if unknown:
+        raise SweepError(f"{where}: unknown keys {sorted(unknown)} (allowed: base, cases, grid, name, set)")
+    base = data.get("base")
+    if not isinstance(base, str) or not base:
+        raise SweepError(f"{where}: 'base' must be the path of an experiment config")
+    folder = path.parent if path is not None else None
+    base_path = Path(resolve_path(base, folder))
+    if not base_path.is_file():
+        raise SweepError(f"{where}: base config not found: {base} (looked in the working directory"
+                         + (f" and {folder}" if folder is not None else "") + ")")
+    name = data.get("name") or (path.stem if path is not None else "sweep")
+    if not isinstance(name, str | int):
+        raise SweepError(f"{where}: 'name' must be a string")
+
+    grid_raw = data.get("grid") or {}
+    if not isinstance(grid_raw, dict):
+        raise SweepError(f"{where}: 'grid' must map dotted config keys to lists of values")
+    grid = []
+    for key, values in grid_raw.items():
+        if not isinstance(key, str) or not key or not all(key.split(".")):
+            raise SweepError(f"{where}: grid key {key!r} is not a dotted config key")
+        if not isinstance(values, list) or not values:
+            raise SweepError(f"{where}: grid key {key!r} needs a non-empty list of values")
+        if len({_canon(v) for v in values}) != len(values):
+            raise SweepError(f"{where}: grid key {key!r} lists a value twice")
+        grid.append((key, tuple(values)))
+
+    cases_raw = data.get("cases") or []
+    if not isinstance(cases_raw, list):
+        raise SweepError(f"{where}: 'cases' must be a list of {{name, set}} mappings")
+    cases = []
+    for i, case in enumerate(cases_raw):
+        if not isinstance(case, dict) or not isinstance(case.get("name"), str | int) or set(case) - {"name", "set"}:
+            raise SweepError(f"{where}: case #{i + 1} must be a mapping with 'name' and 'set' only")
+        cname = str(case["name"])
+        cases.append(Case(cname, _parse_overrides(case.get("set"), f"{where}: case {cname!r}")))
+    names = [c.name for c in cases]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise SweepError(f"{where}: case names must be unique, repeated: {dup}")
+    for case in cases:
+        clash = {k for k, _ in case.overrides} & {k for k, _ in grid}
+        if clash:
+            raise SweepError(f"{where}: case {case.name!r} and the grid both set {sorted(clash)}; "
+                             "set each key in one place")
+    return SweepSpec(name=str(name), path=path, base=base_path,
+                     overrides=_parse_overrides(data.get("set"), f"{where}: 'set'"), grid=tuple(grid),
+                     cases=tuple(cases))
+
+
+def load_sweep(path: str | Path) -> SweepSpec:
+    p = Path(path)
+    if not p.is_file():
+        raise SweepError(f"sweep file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise SweepError(f"{p}: not valid YAML ({exc})") from None
+    return parse_sweep(data, p)
+
+
+# --------------------------------------------------------------------------------------------
+# cells
+
+
+def _canon(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``a.b.c`` in a nested dict, creating mappings on the way (as ``--set`` does)."""
+    parts = key.split(".")
+    if not all(parts):
+        raise ConfigError(f"key {key!r} has an empty part")
+    node = data
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"cannot set {key!r}: {p!r} is not a mapping")
+        node = nxt
+    node[parts[-1]] = copy.deepcopy(value)
+
+
+def _get_dotted(data: dict[str, Any], key: str) -> Any:
+    node: Any = data
+    for p in key.split("."):
+        if not isinstance(node, dict) or p not in node:
+            return None
+        node = node[p]
+    return node
+
+
+def _show(value: Any) -> str:
+    """A value as the user would type it after ``--set KEY=``."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _slug(value: Any) -> str:
+    """A short, filesystem-safe rendering of a value for a cell folder name."""
+    if isinstance(value, str) and ("/" in value or value.endswith((".yaml", ".yml"))):
+        text = Path(value).stem  # a file: its stem reads better than its path
+    elif isinstance(value, bool) or value is None:
+        text = json.dumps(value)
+    elif isinstance(value, float):
+        text = repr(value)
+    elif isinstance(value, int | str):
+        text = str(value)
+    else:
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    text = re.sub(r"[^A-Za-z0-9._+=-]+", "-", text).strip("-.")
+    return text or "_"
+
+
+def _digest(obj: Any, n: int = 8) -> str:
+    return hashlib.sha1(_canon(obj).encode()).hexdigest()[:n]
+
+
+def cell_name(case: str | None, values: dict[str, Any]) -> str:
+    """Deterministic, readable folder name: ``case__key=value__key=value`` (hashed when too long)."""
+    parts = ([_slug(case)] if case is not None else []) + [f"{_slug(k)}={_slug(v)}" for k, v in values.items()]
+    name = "__".join(parts) or "base"
+    if len(name) > MAX_CELL_NAME:
+        name = name[: MAX_CELL_NAME - 10].rstrip("_-.") + "__" + _digest([case, values])
+    return name
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _check_cell(cfg: Any, cache: dict[str, str | None]) -> None:
+    """Checks parse_config leaves to run time but that cost nothing now: each distinct value once."""
+
+    def once(key: str, check: Any) -> None:
+        if key not in cache:
+            try:
+                check()
+                cache[key] = None
+            except Exception as exc:  # noqa: BLE001 - any failure refuses the cell, with its message
+                cache[key] = str(exc) or type(exc).__name__
+        if cache[key] is not None:
+            raise ConfigError(cache[key])
+
+    def topology() -> None:
+        from p2pfl.topology import load_topology
+
+        if not Path(cfg.topology).is_file():
+            raise ConfigError(f"topology file not found: {cfg.topology}")
+        load_topology(cfg.topology)
+
+    def algorithm() -> None:
+        from p2pfl.algorithms import ALGORITHMS, algorithm_class
+
+        name = cfg.algorithm_name
+        if name not in ALGORITHMS:
+            raise ConfigError(f"unknown algorithm {name!r} (known: {sorted(ALGORITHMS)})")
+        cls = algorithm_class(name)
+        unknown = set(cfg.hyperparameters()) - set(cls.defaults) - {"preset"}
+        if unknown:
+            raise ConfigError(f"{name}: unknown hyperparameters {sorted(unknown)} (allowed: {sorted(cls.defaults)})")
+
+    def model() -> None:
+        from p2pfl.models import model_names
+
+        if cfg.model["name"] not in model_names():
+            raise ConfigError(f"unknown model {cfg.model['name']!r} (known: {model_names()})")
+
+    once(f"topology:{cfg.topology}", topology)
+    once(f"algorithm:{_canon(cfg.algorithm)}", algorithm)
+    once(f"model:{cfg.model['name']}", model)
+
+
+def plan_cells(spec: SweepSpec, *, jobs: int = 1, cores: int | None = None) -> list[Cell]:
+    """Expand the sweep into cells and validate every one; raise SweepError naming each bad cell.
+
+    Unless the sweep itself sets ``simulation.workers``, each cell gets
+    ``min(its config's workers, cores // jobs)`` so that parallel cells do not oversubscribe the
+    machine (a simulation's results do not depend on its worker count).
+    """
+    try:
+        base = yaml.safe_load(spec.base.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise SweepError(f"cannot read base config {spec.base}: {exc}") from None
+    if not isinstance(base, dict):
+        raise SweepError(f"base config {spec.base} must be a YAML mapping")
+    per_job = max(1, (cores or available_cores()) // max(1, jobs))
+    combos: list[dict[str, Any]] = [{}]
+    for key, values in spec.grid:
+        combos = [{**c, key: v} for c in combos for v in values]
+    cases: list[Case | None] = list(spec.cases) or [None]
+
+    cells: list[Cell] = []
+    errors: list[str] = []
+    cache: dict[str, str | None] = {}
+    for case in cases:
+        for values in combos:
+            pairs = list(spec.overrides) + list(case.overrides if case else ()) + list(values.items())
+            name = cell_name(case.name if case else None, values)
+            try:
+                data = copy.deepcopy(base)
+                for key, val in pairs:
+                    _set_dotted(data, key, val)
+                swept = {k for k, _ in pairs}
+                if "topology" in swept and isinstance(data.get("topology"), str):
+                    # a topology named by the sweep is relative to the cwd, else to the sweep file
+                    data["topology"] = resolve_path(data["topology"], spec.folder)
+                if "simulation.workers" not in swept and "simulation" not in swept:
+                    sim = data.get("simulation") if isinstance(data.get("simulation"), dict) else {}
+                    workers = sim.get("workers", 2)
+                    if isinstance(workers, int) and not isinstance(workers, bool):
+                        data["simulation"] = {**sim, "workers": max(1, min(workers, per_job))}
+                cfg = parse_config(data, base=spec.base.parent)
+                _check_cell(cfg, cache)
+            except (ConfigError, ValueError) as exc:
+                errors.append(f"cell {name}: {exc}")
+                continue
+            raw = copy.deepcopy(cfg.raw)
+            if Path(raw["topology"]).exists():  # absolute: the cell's config works from any directory
+                raw["topology"] = str(Path(raw["topology"]).resolve())
+            cells.append(Cell(name=name, case=case.name if case else None, values=values,
+                              overrides=[f"{k}={_show(v)}" for k, v in pairs], config=_normalize(raw)))
+    if errors:
+        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
+        raise SweepError(f"sweep {spec.name!r}: {len(errors)} of {len(cases) * len(combos)} cells are invalid, "
+                         "nothing was run:\n  " + "\n  ".join(errors[:10]) + more)
+    _disambiguate(cells)
+    return cells
+
+
+def _disambiguate(cells: list[Cell]) -> None:
+    """Two cells can slug to one name (files with one stem in two folders): suffix a hash."""
+    seen: dict[str, int] = {}
+    for c in cells:
+        seen[c.name] = seen.get(c.name, 0) + 1
+    for i, c in enumerate(cells):
+        if seen[c.name] > 1:
+            cells[i] = Cell(name=f"{c.name}__{_digest([c.case, c.values])}", case=c.case, values=c.values,
+                            overrides=c.overrides, config=c.config)
+
+
+def _normalize(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config as it reads back from YAML (tuples become lists), so saved and planned compare equal."""
+    return yaml.safe_load(yaml.safe_dump(cfg, sort_keys=True))
+
+
+def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(cfg)
+    for key in RESULT_NEUTRAL_KEYS:
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return out
+
+
+def cell_state(cell_dir: Path, config: dict[str, Any]) -> str:
+    """``new`` (no folder), ``finished`` (summary + matching config), ``stale`` (finished with
+    another config: the sweep changed), or ``interrupted`` (a folder without a summary)."""
+    if not cell_dir.exists():
+        return "new"
+    summary, saved = cell_dir / "summary.json", cell_dir / "config.yaml"
+    if not (summary.is_file() and saved.is_file() and (cell_dir / "metrics.jsonl").is_file()):
+        return "interrupted"
+    try:
+        json.loads(summary.read_text())
+        done = parse_config(yaml.safe_load(saved.read_text())).raw
+    except (OSError, ValueError, yaml.YAMLError, TypeError):
+        return "interrupted"
+    return "finished" if _comparable(_normalize(done)) == _comparable(config) else "stale"
+
+
+# --------------------------------------------------------------------------------------------
+# running
+
+
+def default_out(spec: SweepSpec) -> Path:
+    return Path("runs") / "sweeps" / _slug(spec.name)
+
+
+def simulate_command(cell_dir: Path) -> list[str]:
+    """How one cell runs: the ordinary CLI in a fresh interpreter (isolated, logged, killable)."""
+    return [sys.executable, "-m", "p2pfl.cli", "simulate", "--config", str(cell_dir / "config.yaml"),
+            "--out", str(cell_dir), "--quiet"]
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def write_index(out: Path, spec: SweepSpec, results: list[CellResult], jobs: int) -> None:
+    """``sweep.json``: the cells, their overrides and status; rewritten as cells finish."""
+    _write_json(out / "sweep.json", {
+        "name": spec.name,
+        "sweep_file": str(spec.path.resolve()) if spec.path else None,
+        "base": str(spec.base.resolve()),
+        "jobs": jobs,
+        "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "counts": {s: sum(1 for r in results if r.status == s) for s in sorted({r.status for r in results})},
+        "cells": [{"name": r.cell.name, "case": r.cell.case, "values": r.cell.values, "overrides": r.cell.overrides,
+                   "status": r.status, "error": r.error, "seconds": r.seconds} for r in results],
+    })
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _reason(log_text: str, rc: int) -> str:
+    """One line for the summary: the CLI's ``error: ...`` line, else the last line of a traceback."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("error:"):
+            return ln[len("error:"):].strip()
+    return lines[-1] if lines else f"exit code {rc}"
+
+
+@dataclass
+class _Running:
+    result: CellResult
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]
+    started: float
+
+
+def run_sweep(spec: SweepSpec, out: Path | None = None, *, jobs: int = 1, dry_run: bool = False,
+              progress: bool = True, cores: int | None = None) -> SweepResult:
+    """Plan, validate and run (or resume) a sweep; see the module docstring.
+
+    Returns every cell's status; the caller decides the exit code (any failed cell: 1).
+    KeyboardInterrupt stops the running cells (their folders stay without a summary, so the next
+    invocation reruns them), records them as interrupted and propagates.
+    """
+    jobs = max(1, int(jobs))
+    cells = plan_cells(spec, jobs=jobs, cores=cores)
+    out = Path(out) if out is not None else default_out(spec)
+    result = SweepResult(out=out)
+    states = {c.name: cell_state(out / c.name, c.config) for c in cells}
+    for c in cells:
+        status = "finished" if states[c.name] == "finished" else ("planned" if dry_run else "pending")
+        result.cells.append(CellResult(c, status, found=states[c.name]))
+    if dry_run:
+        return result
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_index(out, spec, result.cells, jobs)
+    todo = deque(r for r in result.cells if r.status == "pending")
+    bar, task = _progress(progress, len(cells), len(cells) - len(todo))
+    running: list[_Running] = []
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                running.append(_start(out, todo.popleft()))
+            time.sleep(0.05)
+            for run in [r for r in running if r.proc.poll() is not None]:
+                running.remove(run)
+                _finish(out, run)
+                write_index(out, spec, result.cells, jobs)
+                if bar is not None:
+                    bar.update(task, advance=1, failed=result.count("failed"))
+                    if run.result.status == "failed":
+                        bar.console.print(f"[red]failed[/red] {run.result.cell.name}: {run.result.error}")
+    except BaseException:
+        _stop(running)
+        for run in running:
+            run.result.status, run.result.error = "interrupted", "interrupted (rerun the sweep to resume)"
+        write_index(out, spec, result.cells, jobs)
+        raise
+    finally:
+        if bar is not None:
+            bar.stop()
+    return result
+
+
+def _progress(enabled: bool, total: int, done: int) -> tuple[Any, Any]:
+    if not enabled:
+        return None, None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    bar = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"),
+                   TextColumn("[red]{task.fields[failed]} failed"), TimeElapsedColumn(), console=console)
+    bar.start()
+    task = bar.add_task("cells", total=total, completed=done, failed=0)
+    return bar, task
+
+
+def _start(out: Path, res: CellResult) -> _Running:
+    cell_dir = out / res.cell.name
+    if cell_dir.exists():  # an interrupted, failed or stale attempt: start clean
+        shutil.rmtree(cell_dir)
+    cell_dir.mkdir(parents=True)
+    (cell_dir / "config.yaml").write_text(yaml.safe_dump(res.cell.config, sort_keys=False))
+    log = open(cell_dir / "log.txt", "wb")  # closed in _finish / _stop
+    log.write(("$ " + " ".join(simulate_command(cell_dir)) + "\n").encode())
+    log.flush()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Own session: a Ctrl-C in the terminal reaches only the sweep, which then stops each cell
+    # once (a second SIGINT during a cell's cleanup would leave its worker processes behind).
+    proc = subprocess.Popen(simulate_command(cell_dir), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    res.status = "running"
+    return _Running(res, proc, log, time.perf_counter())
+
+
+def _finish(out: Path, run: _Running) -> None:
+    run.log.close()
+    res, cell_dir = run.result, out / run.result.cell.name
+    res.seconds = round(time.perf_counter() - run.started, 3)
+    rc = run.proc.returncode
+    if rc == 0 and (cell_dir / "summary.json").is_file():
+        res.status, res.error = "done", None
+        return
+    tail = _tail(cell_dir / "log.txt")
+    res.status = "failed"
+    res.error = _reason(tail, rc) if rc != 0 else "finished without writing summary.json"
+    (cell_dir / "error.txt").write_text(f"{res.error}\n\nexit code {rc}; last lines of log.txt:\n\n{tail}\n")
+
+
+def _stop(running: list[_Running]) -> None:
+    """Ask each running cell to stop (SIGINT: it cleans up its workers), then kill what remains."""
+    for run in running:
+        if run.proc.poll() is None:
+            run.proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for run in running:
+        try:
+            run.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(run.proc.pid, signal.SIGKILL)  # the cell's own session: it and its workers
+            except ProcessLookupError:
+                pass
+            run.proc.wait()
+        run.log.close()
+
+
+__all__ = ["Case", "Cell", "CellResult", "SweepError", "SweepResult", "SweepSpec", "available_cores", "cell_name",
+           "cell_state", "default_out", "load_sweep", "parse_sweep", "plan_cells", "run_sweep", "simulate_command",
+           "write_index"]

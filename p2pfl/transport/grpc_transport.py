@@ -1,0 +1,357 @@
+"""The gRPC transport: `Transport.exchange` over real sockets, with the semantics of MemoryTransport.
+
+Pull mode: publish this peer's payload on its own `PeerServer`, then pull from every in-neighbour
+of the plan in parallel (one long-lived channel per neighbour, each call bounded by the round's
+deadline and ``wait_for_ready`` so a neighbour that starts late is waited for). Push mode: push the
+payload to every out-neighbour in parallel and wait on the own inbox. A neighbour that fails —
+unreachable, too late, rejected by validation — lands in ``missing`` with its reason logged; one bad
+neighbour never raises. What arrives is the same `Message` the sender built, bitwise.
+
+Byte accounting is counted, not estimated: ``bytes_recv`` is the wire bytes this exchange read
+(including payloads that were then rejected), ``bytes_sent`` the wire bytes this peer served to
+pullers, or pushes that completed, since the previous exchange returned (a neighbour that pulls
+late is counted in the next exchange, so the total over a run is exact).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from p2pfl.config import NetworkConfig
+from p2pfl.messages import Message
+from p2pfl.models.layout import TensorSpec
+from p2pfl.proto import peer_pb2
+from p2pfl.security.certs import TLSConfig
+from p2pfl.topology import MixingPlan, Topology
+from p2pfl.transport.base import ExchangeResult, Transport, TransportError
+from p2pfl.transport.grpc_service import (
+    PULL_METHOD,
+    PUSH_METHOD,
+    STATUS_METHOD,
+    PeerServer,
+    channel_options,
+)
+from p2pfl.wire.codec import Decoder, EncodedPayload, encode_frames, parse_frame
+from p2pfl.wire.validate import Expectation, WireError
+
+__all__ = ["GrpcTransport", "bind_address", "start_grpc_peer"]
+
+log = logging.getLogger(__name__)
+
+_RETRY_PAUSE_S = 0.1  # between attempts when a neighbour's connection drops mid-call
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+@dataclass
+class _Neighbour:
+    """One neighbour's channel and the three calls on it (kept for the transport's lifetime)."""
+
+    channel: grpc.Channel
+    pull: Callable[..., Any]
+    push: Callable[..., Any]
+    status: Callable[..., Any]
+
+
+class GrpcTransport(Transport):
+    """`Transport` over the gRPC peer service; pairs with this peer's started `PeerServer`."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        topology: Topology,
+        server: PeerServer,
+        *,
+        tls: TLSConfig | None,
+        network_cfg: NetworkConfig,
+        expected_specs: Sequence[TensorSpec],
+        scalar_keys: Iterable[str] = (),
+        owns_server: bool = False,
+    ) -> None:
+        """``tls=None`` requires ``network_cfg.insecure`` (plaintext is never a silent fallback).
+
+        ``expected_specs`` / ``scalar_keys``: what every neighbour's payload must carry.
+        ``owns_server``: `close` also stops ``server``.
+        """
+        if tls is None and not network_cfg.insecure:
+            raise ValueError(
+                "no TLS configuration given: pass tls=TLSConfig.load(certs_dir, peer_id), "
+                "or set network.insecure (--insecure) for plaintext"
+            )
+        if tls is not None and network_cfg.insecure:
+            raise ValueError("both a TLS configuration and network.insecure given; choose one")
+        if tls is not None and tls.peer_id != peer_id:
+            raise ValueError(f"TLS material is for peer {tls.peer_id!r}, not {peer_id!r}")
+        if not server.started or server.peer_id != peer_id:
+            raise ValueError(f"server must be the started PeerServer of {peer_id!r}")
+        if (tls is None) != (server.tls is None):
+            raise ValueError("the transport and its server must both use TLS or both be insecure")
+        self.peer_id = peer_id
+        self.topology = topology
+        self.server = server
+        self.tls = tls
+        self.network_cfg = network_cfg
+        self.expected_specs = tuple(expected_specs)
+        self.scalar_keys = frozenset(scalar_keys)
+        self.owns_server = owns_server
+        self.chunk_bytes = int(network_cfg.chunk_kb) * 1024
+        self.max_bytes = int(network_cfg.max_message_mb) << 20
+        if self.chunk_bytes < 1 or self.max_bytes < 1:
+            raise ValueError("network.chunk_kb and network.max_message_mb must be positive")
+        self.topology_hash = topology.hash()
+        nbrs = topology.possible_in_neighbours(peer_id) | topology.possible_out_neighbours(peer_id)
+        # Pulls of this step, plus pushes of an earlier step that may still be running.
+        self._pool = futures.ThreadPoolExecutor(
+            max_workers=max(4, 2 * len(nbrs) + 2), thread_name_prefix=f"xchg-{peer_id}"
+        )
+        self._lock = threading.Lock()
+        self._neighbours: dict[str, _Neighbour] = {}
+        self._credentials = tls.channel_credentials() if tls is not None else None
+        self._served_reported = server.served_bytes
+        self._pushed = 0
+        self._pushed_reported = 0
+        self._closed = False
+
+    # ---- channels ------------------------------------------------------------------------------
+
+    def _neighbour(self, peer: str) -> _Neighbour:
+        """The (lazily opened, then reused) channel to ``peer``."""
+        with self._lock:
+            n = self._neighbours.get(peer)
+            if n is not None:
+                return n
+            target = self.topology.address(peer)
+            if self._credentials is not None:
+                ch = grpc.secure_channel(target, self._credentials, options=channel_options(self.chunk_bytes, peer))
+            else:
+                ch = grpc.insecure_channel(target, options=channel_options(self.chunk_bytes))
+            n = _Neighbour(
+                channel=ch,
+                pull=ch.unary_stream(
+                    PULL_METHOD,
+                    request_serializer=peer_pb2.PullRequest.SerializeToString,
+                    response_deserializer=parse_frame,
+                ),
+                push=ch.stream_unary(
+                    PUSH_METHOD, request_serializer=_identity, response_deserializer=peer_pb2.PushReply.FromString
+                ),
+                status=ch.unary_unary(
+                    STATUS_METHOD,
+                    request_serializer=peer_pb2.StatusRequest.SerializeToString,
+                    response_deserializer=peer_pb2.StatusReply.FromString,
+                ),
+            )
+            self._neighbours[peer] = n
+            return n
+
+    def status(self, peer: str, timeout_s: float = 5.0) -> peer_pb2.StatusReply:
+        """Ask ``peer`` for its Status (raises grpc.RpcError when unreachable)."""
+        return self._neighbour(peer).status(peer_pb2.StatusRequest(), timeout=timeout_s, wait_for_ready=True)
+
+    def pull(self, peer: str, round: int, step: int, deadline_s: float) -> tuple[Message, int]:
+        """Pull ``peer``'s payload for (round, step) alone: (message, wire bytes); `TransportError` with the reason.
+
+        The same path `exchange` takes for each in-neighbour (validation included), for tools,
+        tests and benchmarks that want one transfer.
+        """
+        msg, nbytes, why = self._pull_one(peer, round, step, time.monotonic() + deadline_s)
+        if msg is None:
+            raise TransportError(f"pull from {peer} (round {round} step {step}) failed: {why}")
+        return msg, nbytes
+
+    # ---- exchange ------------------------------------------------------------------------------
+
+    def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
+        """Publish/push ``message`` per ``plan``; collect the in-neighbours' payloads until ``deadline_s``."""
+        if self._closed:
+            raise RuntimeError(f"transport of {self.peer_id!r} is closed")
+        if message.sender != self.peer_id or plan.peer != self.peer_id:
+            raise ValueError(f"exchange of {self.peer_id!r} got a message from {message.sender!r} / plan of {plan.peer!r}")
+        if (plan.round, plan.step) != (message.round, message.step):
+            raise ValueError(
+                f"plan is for round {plan.round} step {plan.step}, message for round {message.round} step {message.step}"
+            )
+        if plan.mode != self.server.mode:
+            raise ValueError(f"plan mode {plan.mode!r} differs from the server's mode {self.server.mode!r}")
+        deadline = time.monotonic() + deadline_s
+        if plan.mode == "push":
+            return self._exchange_push(message, plan, deadline)
+        return self._exchange_pull(message, plan, deadline)
+
+    def _exchange_pull(self, message: Message, plan: MixingPlan, deadline: float) -> ExchangeResult:
+        self.server.publish(message)
+        senders = list(plan.in_weights)
+        jobs = {j: self._pool.submit(self._pull_one, j, message.round, message.step, deadline) for j in senders}
+        received: dict[str, Message] = {}
+        missing: list[str] = []
+        recv = 0
+        for j in senders:
+            msg, nbytes, why = self._result(jobs[j], deadline)
+            recv += nbytes
+            if msg is None:
+                missing.append(j)
+                log.warning("%s round %d step %d: no payload from %s: %s",
+                            self.peer_id, message.round, message.step, j, why)
+            else:
+                received[j] = msg
+        served = self.server.served_bytes
+        sent, self._served_reported = served - self._served_reported, served
+        return ExchangeResult(received=received, missing=missing, bytes_sent=sent + self._take_pushed(),
+                              bytes_recv=recv)
+
+    @staticmethod
+    def _result(job: futures.Future[tuple[Message | None, int, str]], deadline: float) -> tuple[Message | None, int, str]:
+        # Each call is bounded by its gRPC deadline; the margin only guards against a wedged thread.
+        try:
+            return job.result(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
+        except futures.TimeoutError:
+            job.cancel()
+            return None, 0, "the pull did not finish by the deadline"
+
+    def _pull_one(self, peer: str, round: int, step: int, deadline: float) -> tuple[Message | None, int, str]:
+        """Pull (round, step) from ``peer``: (message or None, wire bytes read, reason when None)."""
+        nbr = self._neighbour(peer)
+        req = peer_pb2.PullRequest(requester=self.peer_id, round=round, step=step, topology_hash=self.topology_hash)
+        exp = Expectation(
+            specs=self.expected_specs, round=round, step=step, topology_hash=self.topology_hash,
+            senders=frozenset((peer,)), scalar_keys=self.scalar_keys, max_bytes=self.max_bytes,
+        )
+        nbytes = 0
+        why = "deadline passed before the pull started"
+        while (left := deadline - time.monotonic()) > 0:
+            dec = Decoder(exp)
+            call = nbr.pull(req, timeout=left, wait_for_ready=True)
+            try:
+                for item in call:
+                    dec.feed(item)
+                return dec.finish(), nbytes + dec.wire_bytes, ""
+            except WireError as e:
+                call.cancel()
+                return None, nbytes + dec.wire_bytes, f"payload rejected ({e.code}): {e.message}"
+            except grpc.RpcError as e:
+                nbytes += dec.wire_bytes
+                code = e.code()
+                why = f"{code.name}: {e.details()}"
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    break
+                # The connection dropped (neighbour restarting?): try again while the round lasts.
+                time.sleep(min(_RETRY_PAUSE_S, max(0.0, deadline - time.monotonic())))
+        return None, nbytes, why
+
+    def _exchange_push(self, message: Message, plan: MixingPlan, deadline: float) -> ExchangeResult:
+        self.server.set_round(message.round)
+        payload = encode_frames(message, self.chunk_bytes)
+        tag = f"round {message.round} step {message.step}"
+        for k in plan.out_weights:
+            self._pool.submit(self._push_one, k, payload, deadline, tag)
+        keys = [(j, message.round, message.step) for j in plan.in_weights]
+        got = self.server.take(keys, deadline)
+        received = {j: got[j][0] for j in plan.in_weights if j in got}
+        missing = [j for j in plan.in_weights if j not in got]
+        for j in missing:
+            log.warning("%s %s: no push from %s by the deadline", self.peer_id, tag, j)
+        recv = sum(n for _, n in got.values())
+        served = self.server.served_bytes
+        sent, self._served_reported = served - self._served_reported, served
+        return ExchangeResult(received=received, missing=missing, bytes_sent=sent + self._take_pushed(),
+                              bytes_recv=recv)
+
+    def _push_one(self, peer: str, payload: EncodedPayload, deadline: float, tag: str) -> bool:
+        nbr = self._neighbour(peer)
+        why = "deadline passed before the push started"
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                nbr.push(iter(payload), timeout=left, wait_for_ready=True)
+            except grpc.RpcError as e:
+                code = e.code()
+                why = f"{code.name}: {e.details()}"
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    break
+                time.sleep(min(_RETRY_PAUSE_S, max(0.0, deadline - time.monotonic())))
+                continue
+            with self._lock:
+                self._pushed += payload.wire_bytes
+            return True
+        log.warning("%s %s: push to %s failed: %s", self.peer_id, tag, peer, why)
+        return False
+
+    def _take_pushed(self) -> int:
+        with self._lock:
+            n, self._pushed_reported = self._pushed - self._pushed_reported, self._pushed
+        return n
+
+    def close(self) -> None:
+        """Close channels and worker threads; stop the server too when this transport owns it."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            nbrs, self._neighbours = list(self._neighbours.values()), {}
+        for n in nbrs:
+            n.channel.close()
+        if self.owns_server:
+            self.server.stop(1.0)
+
+
+def bind_address(address: str) -> str:
+    """Where to listen for a topology address: loopback stays loopback, anything else all interfaces.
+
+    A container's address (``peer-3:50051``) names the host as seen by the others; the peer itself
+    listens on every interface at that port.
+    """
+    host, _, port = address.rpartition(":")
+    if host in ("127.0.0.1", "localhost", "[::1]") or host.startswith("127."):
+        return address
+    return f"[::]:{port}"
+
+
+def start_grpc_peer(
+    topology: Topology,
+    peer_id: str,
+    network_cfg: NetworkConfig,
+    *,
+    expected_specs: Sequence[TensorSpec],
+    scalar_keys: Iterable[str] = (),
+    seed: int = 0,
+    mode: str = "pull",
+    bind: str | None = None,
+) -> GrpcTransport:
+    """Start ``peer_id``'s server (mutual TLS from ``network_cfg.certs`` unless insecure) and its transport.
+
+    The returned transport owns the server: ``close()`` stops both.
+    """
+    if network_cfg.insecure:
+        tls = None
+        log.warning("%s: running INSECURE (plaintext, callers identified by the id they claim)", peer_id)
+    else:
+        if not network_cfg.certs:
+            raise ValueError(
+                "network.certs is not set: point it at the folder made by `p2pfl certs`, or run with --insecure"
+            )
+        tls = TLSConfig.load(network_cfg.certs, peer_id)
+    server = PeerServer()
+    server.start(
+        bind or bind_address(topology.address(peer_id)), topology, peer_id,
+        expected_specs=expected_specs, scalar_keys=scalar_keys, seed=seed, mode=mode, tls=tls,
+        insecure=network_cfg.insecure, max_message_mb=network_cfg.max_message_mb,
+        chunk_bytes=int(network_cfg.chunk_kb) * 1024,
+    )
+    try:
+        return GrpcTransport(
+            peer_id, topology, server, tls=tls, network_cfg=network_cfg, expected_specs=expected_specs,
+            scalar_keys=scalar_keys, owns_server=True,
+        )
+    except BaseException:
+        server.stop(0)
+        raise

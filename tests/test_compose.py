@@ -1,0 +1,312 @@
+"""`p2pfl compose`: the generated docker-compose.yml matches the topology, validates with docker-compose,
+references certificate files that `make_certs` creates, and the committed example is current.
+
+Also checks the container pieces that can be checked without a docker engine: the entrypoint builds
+the right `p2pfl node` / `p2pfl health` command lines, and the Dockerfile keeps its promises
+(non-root user, gRPC health check, entrypoint).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from p2pfl.deploy.compose import (
+    IN_CERTS,
+    IN_TOPOLOGY,
+    ComposeError,
+    compose_command,
+    compose_topology,
+    render_compose,
+    service_name,
+)
+from p2pfl.security.certs import make_certs
+from p2pfl.topology import load_topology, parse_topology
+from tests.conftest import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE_CONFIG = REPO / "peers" / "compose-ring4.yaml"
+COMMITTED = REPO / "docker-compose.yml"
+ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from the repo root: the example config names its topology relative to it (as `make demo` does)."""
+    monkeypatch.chdir(REPO)
+
+
+def _cli() -> typer.Typer:
+    """`compose_command` as a one-command app (cli.py registers it as `p2pfl compose`)."""
+    app = typer.Typer(add_completion=False)
+    app.command()(compose_command)
+    return app
+
+
+def _bind_sources(service: dict[str, Any], base: Path) -> dict[str, Path]:
+    """Container path -> host path of a service's bind mounts (short syntax, relative to ``base``)."""
+    out = {}
+    for vol in service["volumes"]:
+        src, target = vol.split(":")[:2]
+        out[target] = (base / src).resolve()
+    return out
+
+
+def _docker_compose_config(path: Path) -> dict[str, Any]:
+    """`docker-compose -f FILE config`: compose's own validation; returns the resolved document."""
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        reason = "docker-compose binary not found (apt-get install docker-compose)"
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+    res = subprocess.run([exe, "-f", str(path), "config"], capture_output=True, text=True, timeout=60,
+                         cwd=path.parent, env={**os.environ, "P2PFL_UID": "1234", "P2PFL_GID": "1234"})
+    assert res.returncode == 0, f"docker-compose config failed:\n{res.stderr}\n{res.stdout}"
+    print(res.stderr, end="")  # compose's warnings, if any, in the test log
+    return yaml.safe_load(res.stdout)
+
+
+# ---- the committed example ------------------------------------------------------------------------
+
+
+def test_committed_compose_file_is_current() -> None:
+    dep = render_compose(Path("peers/compose-ring4.yaml"), out=Path("docker-compose.yml"))
+    assert dep.topology_copy is None, "the example topology must already use service-name addresses"
+    assert COMMITTED.read_text(encoding="utf-8") == dep.text, (
+        "docker-compose.yml is stale: regenerate it from the repo root with "
+        "`p2pfl compose --config peers/compose-ring4.yaml --out docker-compose.yml`"
+    )
+
+
+def test_committed_compose_file_validates_and_matches_topology() -> None:
+    resolved = _docker_compose_config(COMMITTED)
+    doc = yaml.safe_load(COMMITTED.read_text())
+    topo = load_topology(REPO / doc["x-p2pfl"]["topology"])
+    assert set(resolved["services"]) == {p.address.split(":")[0] for p in topo.peers}
+    for svc in resolved["services"].values():
+        assert svc["user"] == "1234:1234"  # the uid comes from the environment of `docker compose`
+    assert len(topo.peers) == 4 and topo.name == "compose-ring-4"
+
+
+# ---- generated files ------------------------------------------------------------------------------
+
+
+def _check_deployment(compose_file: Path, ids: list[str]) -> dict[str, Any]:
+    """Every peer has a service, its address is that service, and the service runs that peer."""
+    base = compose_file.parent
+    doc = yaml.safe_load(compose_file.read_text())
+    services = doc["services"]
+    mounted_topologies = {_bind_sources(svc, base)[IN_TOPOLOGY] for svc in services.values()}
+    assert len(mounted_topologies) == 1, "every container must mount the same topology file"
+    topo = load_topology(mounted_topologies.pop())
+    assert list(topo.ids) == ids
+    assert len(services) == len(ids)
+    for peer in topo.peers:
+        host, port = peer.address.rsplit(":", 1)
+        assert host in services, f"peer {peer.id} dials {host}, which is not a service"
+        svc = services[host]
+        assert svc["environment"]["P2PFL_PEER"] == peer.id
+        assert svc["environment"]["P2PFL_PORT"] == port
+        assert svc["expose"] == [port]
+        assert svc["restart"] == "on-failure"
+        assert "depends_on" not in svc  # cyclic graphs: peers wait for each other instead
+        assert svc["command"][-2:] == ["--set", f"topology={IN_TOPOLOGY}"]
+    assert doc["x-p2pfl"]["topology_hash"] == topo.hash()
+    return doc
+
+
+def test_generated_compose_validates(tmp_path: Path) -> None:
+    out = tmp_path / "deploy" / "docker-compose.yml"
+    res = CliRunner().invoke(_cli(), ["--config", str(EXAMPLE_CONFIG), "--out", str(out), "--set", "rounds=3"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "p2pfl certs" in res.output  # certificates are missing: the command says how to make them
+    resolved = _docker_compose_config(out)
+    assert sorted(resolved["services"]) == ["peer-p0", "peer-p1", "peer-p2", "peer-p3"]
+    doc = _check_deployment(out, ["p0", "p1", "p2", "p3"])
+    assert doc["services"]["peer-p0"]["command"] == ["--set", "rounds=3", "--set", f"topology={IN_TOPOLOGY}"]
+    # made by the generator (owned by the user), so the docker daemon does not create them as root
+    assert (out.parent / "runs" / "compose-ring4").is_dir() and (out.parent / "data").is_dir()
+
+
+def test_cert_paths_exist_after_make_certs(tmp_path: Path) -> None:
+    out = tmp_path / "docker-compose.yml"
+    dep = render_compose(EXAMPLE_CONFIG, out=out, certs=tmp_path / "certs")
+    out.write_text(dep.text)
+    make_certs(list(dep.topology.ids), tmp_path / "certs")
+    doc = yaml.safe_load(out.read_text())
+    for pid, name in dep.services.items():
+        mounts = _bind_sources(doc["services"][name], tmp_path)
+        certs = {target: src for target, src in mounts.items() if target.startswith(IN_CERTS + "/")}
+        assert set(certs) == {f"{IN_CERTS}/ca.crt", f"{IN_CERTS}/{pid}.crt", f"{IN_CERTS}/{pid}.key"}
+        for src in certs.values():
+            assert src.is_file(), f"{name} mounts {src}, which make_certs did not create"
+        vols = doc["services"][name]["volumes"]
+        assert all(v.endswith(":ro") for v in vols if IN_CERTS in v)
+        others = [q for q in dep.services if q != pid]
+        assert not any(f"/{q}.key" in v for v in vols for q in others), "a container must not see other keys"
+
+
+def test_loopback_topology_is_rewritten_to_service_names(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, peers=5)  # 127.0.0.1:50050.. addresses
+    out = tmp_path / "deploy" / "compose.yml"
+    res = CliRunner().invoke(_cli(), ["--config", str(cfg), "--out", str(out)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    copy = out.parent / "compose.topology.yaml"
+    assert copy.is_file()
+    original, rewritten = load_topology(tmp_path / "topology.yaml"), load_topology(copy)
+    assert rewritten.ids == original.ids and rewritten.edges == original.edges
+    assert [p.address for p in rewritten.peers] == [f"peer-p{i}:{50050 + i}" for i in range(5)]
+    _check_deployment(out, [f"p{i}" for i in range(5)])
+    _docker_compose_config(out)
+
+
+def test_gpus_reserve_devices_and_validate(tmp_path: Path) -> None:
+    out = tmp_path / "docker-compose.yml"
+    dep = render_compose(EXAMPLE_CONFIG, out=out, gpus=True)
+    out.write_text(dep.text)
+    resolved = _docker_compose_config(out)
+    for svc in resolved["services"].values():
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"capabilities": ["gpu"], "count": "all", "driver": "nvidia"}]
+        assert svc["image"] == "p2pfl:cuda"
+    plain = yaml.safe_load(render_compose(EXAMPLE_CONFIG, out=out).text)
+    assert all("deploy" not in s and s["image"] == "p2pfl:cpu" for s in plain["services"].values())
+
+
+def test_insecure_mounts_no_certs_and_config_insecure_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "docker-compose.yml"
+    doc = yaml.safe_load(render_compose(EXAMPLE_CONFIG, out=out, insecure=True).text)
+    for svc in doc["services"].values():
+        assert svc["environment"]["P2PFL_INSECURE"] == "1"
+        assert not any(IN_CERTS in v for v in svc["volumes"])
+    with pytest.raises(ComposeError, match="mutual TLS"):
+        render_compose(EXAMPLE_CONFIG, out=out, sets=["network.insecure=true"])
+
+
+def test_output_is_deterministic_and_escapes_dollars(tmp_path: Path) -> None:
+    out = tmp_path / "docker-compose.yml"
+    a = render_compose(EXAMPLE_CONFIG, out=out, sets=["name=x$y", "rounds=2"]).text
+    b = render_compose(EXAMPLE_CONFIG, out=out, sets=["name=x$y", "rounds=2"]).text
+    assert a == b
+    doc = yaml.safe_load(a)
+    assert doc["services"]["peer-p0"]["command"][:2] == ["--set", "name=x$$y"]  # compose turns $$ into $
+    assert list(doc["services"]) == sorted(doc["services"])
+
+
+def test_service_names() -> None:
+    assert service_name("p0") == "peer-p0"
+    assert service_name("Site_A.gpu") == "peer-site-a-gpu"
+    with pytest.raises(ComposeError, match="service"):
+        service_name("x" * 63)
+    topo = parse_topology({"peers": [{"id": "a_b", "address": "127.0.0.1:1"}, {"id": "a-b", "address": "127.0.0.1:2"}],
+                           "edges": [["a_b", "a-b"]]})
+    with pytest.raises(ComposeError, match="both run as service 'peer-a-b'"):
+        compose_topology(topo)
+    kept = parse_topology({"peers": [{"id": "a", "address": "alpha:7000"}, {"id": "b", "address": "beta:7000"}],
+                           "edges": [["a", "b"]]})
+    assert compose_topology(kept) == (kept, False)
+    # hosts that are IPs, localhost or shared by two peers are rewritten
+    shared = parse_topology({"peers": [{"id": "a", "address": "node1:7000"}, {"id": "b", "address": "node1:7001"}],
+                             "edges": [["a", "b"]]})
+    assert [p.address for p in compose_topology(shared)[0].peers] == ["peer-a:7000", "peer-b:7001"]
+
+
+def test_bad_config_is_a_clean_error(tmp_path: Path) -> None:
+    res = CliRunner().invoke(_cli(), ["--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "c.yml")])
+    assert res.exit_code == 1 and "not found" in res.output
+    assert not (tmp_path / "c.yml").exists()
+
+
+# ---- container pieces -----------------------------------------------------------------------------
+
+
+def _fake_p2pfl(tmp_path: Path) -> dict[str, str]:
+    """A PATH whose `p2pfl` prints its arguments, one per line, so the entrypoint's command can be read."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "p2pfl"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do echo "ARG:$a"; done\n')
+    fake.chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+
+
+def _entry(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(ENTRYPOINT), *args], capture_output=True, text=True, env=env, timeout=30)
+
+
+def _argv(res: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line[4:] for line in res.stdout.splitlines() if line.startswith("ARG:")]
+
+
+def test_entrypoint_runs_node_with_tls(tmp_path: Path) -> None:
+    env = _fake_p2pfl(tmp_path)
+    certs, run = tmp_path / "certs", tmp_path / "run"
+    make_certs(["p0", "p1"], certs)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("name: x\n")
+    env.update(P2PFL_PEER="p0", P2PFL_CONFIG=str(cfg), P2PFL_CERTS=str(certs), P2PFL_RUN_DIR=str(run),
+               P2PFL_PORT="50051")
+    res = _entry(["--set", "topology=/p2pfl/topology.yaml"], env)
+    assert res.returncode == 0, res.stderr
+    assert _argv(res) == ["node", "--config", str(cfg), "--peer", "p0", "--out", str(run), "--certs", str(certs),
+                          "--set", "topology=/p2pfl/topology.yaml"]
+    assert run.is_dir()
+    res = _entry(["--healthcheck"], env)
+    assert res.returncode == 0 and _argv(res) == ["health", "127.0.0.1:50051", "--certs", str(certs), "--peer", "p0"]
+    res = _entry(["certs", "--config", "c.yaml"], env)  # other subcommands pass through to p2pfl
+    assert _argv(res) == ["certs", "--config", "c.yaml"]
+
+
+def test_entrypoint_reports_misconfiguration(tmp_path: Path) -> None:
+    env = _fake_p2pfl(tmp_path)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("name: x\n")
+    res = _entry([], env)
+    assert res.returncode == 1 and "P2PFL_PEER" in res.stderr
+    env.update(P2PFL_PEER="p0", P2PFL_CONFIG=str(cfg), P2PFL_CERTS=str(tmp_path / "certs"),
+               P2PFL_RUN_DIR=str(tmp_path / "run"))
+    (tmp_path / "certs" / "p0.key").mkdir(parents=True)  # what docker does when the host file is missing
+    (tmp_path / "certs" / "ca.crt").write_text("x")
+    (tmp_path / "certs" / "p0.crt").write_text("x")
+    res = _entry([], env)
+    assert res.returncode == 1 and "is a folder" in res.stderr and "p2pfl certs" in res.stderr
+    assert _argv(res) == []
+    env["P2PFL_INSECURE"] = "true"
+    res = _entry([], env)
+    assert res.returncode == 0 and "--insecure" in _argv(res) and "--certs" not in _argv(res)
+
+
+def test_dockerfile_promises() -> None:
+    text = DOCKERFILE.read_text()
+    assert "FROM ${BASE}" in text and "ARG BASE=python:3.11-slim" in text
+    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in text
+    users = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0"), "the peer must not run as root"
+    assert "HEALTHCHECK" in text and "--healthcheck" in text
+    assert 'ENTRYPOINT ["p2pfl-entrypoint"]' in text
+    assert ENTRYPOINT.stat().st_mode & stat.S_IXUSR, "docker/entrypoint.sh must be executable"
+    assert subprocess.run(["bash", "-n", str(ENTRYPOINT)]).returncode == 0
+    ignore = [ln for ln in (REPO / ".dockerignore").read_text().splitlines() if ln and not ln.startswith("#")]
+    assert ignore[0] == "*", ".dockerignore must be an allowlist (keys never enter the build context)"
+    assert "**/*.key" in ignore
+
+
+def test_module_imports_lazily() -> None:
+    """Registering `p2pfl compose` must not import numpy/networkx/the config loader."""
+    code = ("import sys, p2pfl.deploy.compose; "
+            "bad = [m for m in ('numpy', 'networkx', 'p2pfl.topology', 'p2pfl.config') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -1,0 +1,121 @@
+"""Real peer processes over loopback gRPC with mutual TLS: launch, equality with the simulation,
+a peer killed mid-run (SIGKILL) while the others finish, and its restart from the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from p2pfl.config import load_config
+from p2pfl.security.certs import make_certs
+from p2pfl.simulation import simulate
+from tests.conftest import tiny_config
+
+PEERS = ["p0", "p1", "p2", "p3"]
+
+
+def free_base_port(n: int = 4) -> int:
+    """A base port with ``n`` consecutive free loopback ports."""
+    for _ in range(200):
+        base = random.randint(20000, 60000)
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def params(run: Path, pid: str) -> np.ndarray:
+    with np.load(run / "checkpoints" / f"{pid}.npz") as z:
+        return z["params"].copy()
+
+
+@pytest.mark.timeout(240)
+def test_launch_with_tls_matches_simulation_bitwise(tmp_path: Path) -> None:
+    cfg_path = tiny_config(tmp_path, base_port=free_base_port())
+    out = tmp_path / "launch"
+    proc = subprocess.run([sys.executable, "-m", "p2pfl.cli", "launch", "--config", str(cfg_path), "--out", str(out),
+                           "--timeout", "180"], capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[p0]" in proc.stdout or proc.stdout  # logs are streamed with peer prefixes
+    assert (out / "certs" / "ca.crt").exists()  # TLS was on, with generated certificates
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tls"] is True and not summary["failed_peers"] and summary["rounds"] == 3
+    recs = records(out / "metrics.jsonl")
+    assert len(recs) == 12
+    payload = sum(int(np.prod(v)) for v in [(64, 32), (32,), (32, 32), (32,)])  # lower bound: hidden layers alone
+    assert all(r["bytes_recv"] >= 2 * 4 * payload and r["bytes_sent"] > 0 and not r["missing"] for r in recs)
+    assert summary["final_acc_mean"] > 0.5
+    sim = tmp_path / "sim"
+    simulate(load_config(cfg_path), sim, progress=False)
+    for pid in PEERS:
+        assert np.array_equal(params(out, pid), params(sim, pid)), pid
+    assert [r["acc"] for r in recs] == [r["acc"] for r in records(sim / "metrics.jsonl")]
+
+
+def _node(cfg: Path, pid: str, out: Path, certs: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "p2pfl.cli", "node", "--config", str(cfg), "--peer", pid,
+                             "--out", str(out), "--certs", str(certs)],
+                            stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.timeout(240)
+def test_peer_killed_mid_run_others_finish_and_it_resumes(tmp_path: Path) -> None:
+    rounds = 10
+    cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds,
+                      network={"round_timeout_s": 3.0, "connect_timeout_s": 2.0})
+    out, certs = tmp_path / "run", tmp_path / "certs"
+    make_certs(PEERS, certs)
+    procs = {pid: _node(cfg, pid, out, certs, tmp_path / f"{pid}.log") for pid in PEERS}
+    try:
+        victim = out / "metrics-p3.jsonl"
+        t0 = time.monotonic()
+        while len(records(victim)) < 2:
+            assert time.monotonic() - t0 < 90, "p3 never finished two rounds"
+            assert procs["p3"].poll() is None, (tmp_path / "p3.log").read_text()
+            time.sleep(0.05)
+        os.killpg(procs["p3"].pid, signal.SIGKILL)
+        procs["p3"].wait(10)
+        killed_at = len(records(victim))
+        for pid in ("p0", "p1", "p2"):
+            assert procs[pid].wait(150) == 0, (tmp_path / f"{pid}.log").read_text()[-3000:]
+            recs = records(out / f"metrics-{pid}.jsonl")
+            assert [r["round"] for r in recs] == list(range(rounds)), pid
+        # p3's ring neighbours (p0, p2) noticed it was gone and mixed without it
+        assert any("p3" in r["missing"] for r in records(out / "metrics-p0.jsonl"))
+        assert any("p3" in r["missing"] for r in records(out / "metrics-p2.jsonl"))
+        assert killed_at < rounds
+        # restart: resumes from its checkpoint (not from round 0) and completes every round
+        procs["p3"] = _node(cfg, "p3", out, certs, tmp_path / "p3.log")
+        assert procs["p3"].wait(120) == 0, (tmp_path / "p3.log").read_text()[-3000:]
+        rounds_p3 = [r["round"] for r in records(victim)]
+        assert rounds_p3[-1] == rounds - 1
+        assert rounds_p3.count(0) == 1  # round 0 was not redone after the restart
+        assert "resum" in (tmp_path / "p3.log").read_text()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
