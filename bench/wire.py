@@ -21,8 +21,10 @@ MB/s are 10^6 bytes of tensor data per second. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
+import os
 import shutil
 import socket
 import statistics
@@ -30,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -48,6 +51,7 @@ from p2pfl.security import TLSConfig, make_certs  # noqa: E402
 from p2pfl.topology import Topology, parse_topology  # noqa: E402
 from p2pfl.transport.grpc_service import PeerServer, channel_options, server_options  # noqa: E402
 from p2pfl.transport.grpc_transport import GrpcTransport  # noqa: E402
+from p2pfl.wire.validate import all_finite  # noqa: E402
 
 RAW_METHOD = "/bench.Raw/Pull"
 NUMEL_RESNET18_BODY = 11_168_832
@@ -324,6 +328,28 @@ def measure_flwr(specs: tuple[TensorSpec, ...], flat: torch.Tensor, reps: int) -
     }
 
 
+def measure_checks(flat: torch.Tensor, reps: int) -> dict[str, float]:
+    """What the receiver's and sender's checks cost alone (single thread): why ours trails raw bytes.
+
+    Also the checksum candidates, for the choice of CRC-32 over SHA-256.
+    """
+    view = memoryview(flat.numpy()).cast("B")
+    values = flat.numpy()
+    out: dict[str, list[float]] = {"crc32": [], "sha256": [], "finite": []}
+    fns: dict[str, Callable[[], object]] = {
+        "crc32": lambda: zlib.crc32(view),
+        "sha256": lambda: hashlib.sha256(view).digest(),
+        "finite": lambda: all_finite(values),
+    }
+    for i in range(reps + 1):
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if i:
+                out[key].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -343,6 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"payload: {len(specs)} tensors, {numel} float32 = {mb:.1f} MB; chunk {args.chunk_kb} KiB; "
           f"reps {args.reps} (median)")
 
+    load_before = os.getloadavg()[0]
     tmp = Path(tempfile.mkdtemp(prefix="p2pfl-bench-wire-"))
     res: dict[str, Any] = {}
     try:
@@ -359,6 +386,14 @@ def main(argv: list[str] | None = None) -> None:
     if fl:
         print(f"flwr ArrayRecord->proto bytes: serialize {fl['serialize']:.0f} MB/s, "
               f"deserialize {fl['deserialize']:.0f} MB/s, round trip {fl['roundtrip']:.0f} MB/s (no network)")
+
+    checks = measure_checks(flats["p0"], args.reps)
+    nbytes = numel * 4
+    print(f"checks alone (1 thread): CRC-32 {checks['crc32'] * 1e3:.1f} ms ({nbytes / checks['crc32'] / 1e6:.0f} MB/s; "
+          f"SHA-256 would be {nbytes / checks['sha256'] / 1e6:.0f} MB/s), NaN/Inf scan {checks['finite'] * 1e3:.1f} ms; "
+          f"sender and receiver each run the CRC")
+    load_after = os.getloadavg()[0]
+    print(f"host load average (1 min): {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} CPUs")
 
     plain, tls = res["plain"], res["tls"]
     summary = {
@@ -380,6 +415,14 @@ def main(argv: list[str] | None = None) -> None:
         "flwr_serialize_mb_per_s": round(fl["serialize"], 1) if fl else None,
         "flwr_deserialize_mb_per_s": round(fl["deserialize"], 1) if fl else None,
         "flwr_roundtrip_mb_per_s": round(fl["roundtrip"], 1) if fl else None,
+        "ours_ms": round(nbytes / plain["ours"]["one_way"] / 1e3, 1),
+        "raw_grpc_ms": round(nbytes / plain["raw"]["one_way"] / 1e3, 1),
+        "crc32_ms": round(checks["crc32"] * 1e3, 1),
+        "crc32_mb_per_s": round(nbytes / checks["crc32"] / 1e6, 1),
+        "sha256_mb_per_s": round(nbytes / checks["sha256"] / 1e6, 1),
+        "finite_scan_ms": round(checks["finite"] * 1e3, 1),
+        "cpus": os.cpu_count(),
+        "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
     }
     print(json.dumps(summary))
 

@@ -162,6 +162,8 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "flower": ("peers.flower", "flower_command"),
     "compose": ("p2pfl.deploy.compose", "compose_command"),
+    "sweep": ("p2pfl.sweep_cli", "sweep_command"),
+    "report": ("p2pfl.sweep_cli", "report_command"),
 }
 
 

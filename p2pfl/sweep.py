@@ -34,13 +34,14 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import yaml
 
-from p2pfl.config import ConfigError, apply_overrides, parse_config, resolve_path
+from p2pfl.config import ConfigError, ExperimentConfig, apply_overrides, parse_config, resolve_path
 
 #: Longest cell folder name before it is shortened with a hash suffix (filesystems allow 255).
 MAX_CELL_NAME = 100
@@ -291,18 +292,19 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _check_cell(cfg: Any, cache: dict[str, str | None]) -> None:
+def _check_cell(cfg: ExperimentConfig, cache: dict[str, str | None]) -> None:
     """Checks parse_config leaves to run time but that cost nothing now: each distinct value once."""
 
-    def once(key: str, check: Any) -> None:
+    def once(key: str, check: Callable[[], None]) -> None:
         if key not in cache:
             try:
                 check()
                 cache[key] = None
             except Exception as exc:  # noqa: BLE001 - any failure refuses the cell, with its message
                 cache[key] = str(exc) or type(exc).__name__
-        if cache[key] is not None:
-            raise ConfigError(cache[key])
+        reason = cache[key]
+        if reason is not None:
+            raise ConfigError(reason)
 
     def topology() -> None:
         from p2pfl.topology import load_topology
@@ -374,7 +376,7 @@ def plan_cells(spec: SweepSpec, *, jobs: int = 1, cores: int | None = None) -> l
                         data["simulation"] = {**sim, "workers": max(1, min(workers, per_job))}
                 cfg = parse_config(data, base=spec.base.parent)
                 _check_cell(cfg, cache)
-            except (ConfigError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - e.g. a preset's module fails to import: refuse, say why
                 errors.append(f"cell {name}: {exc}")
                 continue
             raw = copy.deepcopy(cfg.raw)

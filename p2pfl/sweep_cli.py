@@ -38,7 +38,7 @@ def sweep_command(
     folder = out or default_out(spec)
     stale = [r.cell.name for r in result.cells if r.found == "stale"]
     if dry_run:
-        _print_cells(result)
+        _print_cells(result, len(spec.overrides))
         todo = sum(1 for r in result.cells if r.status == "planned")
         typer.echo(f"{len(result.cells)} cells, {len(result.cells) - todo} already finished, {todo} to run "
                    f"into {folder}" + (f" ({len(stale)} finished with another config would be rerun)" if stale else ""))
@@ -54,15 +54,17 @@ def sweep_command(
         raise typer.Exit(1)
 
 
-def _print_cells(result: SweepResult) -> None:
+def _print_cells(result: SweepResult, n_common: int) -> None:
+    """The cells and what is particular to each (the sweep-wide ``set`` is the same for all)."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="sweep cells")
-    for col in ("cell", "status", "overrides"):
-        table.add_column(col)
+    table.add_column("cell", overflow="fold")
+    table.add_column("status")
+    table.add_column("its overrides", overflow="fold")
     for r in result.cells:
-        table.add_row(r.cell.name, r.status, " ".join(r.cell.overrides))
+        table.add_row(r.cell.name, r.status, " ".join(r.cell.overrides[n_common:]))
     Console().print(table)
 
 

@@ -87,6 +87,9 @@ def test_masks_keep_density_are_personal_and_zero_the_weights(distribution: str,
     st, gen = states[0]
     layout.bind(model, st.params)
     ctx = TrainContext(model, layout, PeerData(ds, np.arange(64), np.arange(8), 16), gen, torch.device("cpu"))
+    masked_at_forward: list[bool] = []  # the weights the model computes with, at every forward
+    model.register_forward_pre_hook(
+        lambda *_: masked_at_forward.append(bool((st.params[st.extra[MASK_KEY] == 0] == 0).all())))
     counts0 = _counts(alg, st.extra[MASK_KEY])
     for r in range(3):
         before = st.extra[MASK_KEY].clone()
@@ -96,6 +99,22 @@ def test_masks_keep_density_are_personal_and_zero_the_weights(distribution: str,
         assert _counts(alg, mask) == counts0  # prune/regrow keeps every layer's density exactly
         assert not torch.equal(before, mask)  # ... and does move the mask
         assert bool((st.params[mask == 0] == 0).all()) and bool((st.params[mask == 1] != 0).any())
+    assert len(masked_at_forward) >= 3 * 4 and all(masked_at_forward)
+
+
+def test_prune_smallest_magnitude_then_regrow_largest_gradient() -> None:
+    layout = ParamLayout((TensorSpec("w", (1, 8), 0, 8),), 8, ("w",), ())
+    alg = DisPFL({"anneal_rounds": 10}, layout)
+    mask = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0.0])
+    st = PeerState("p0", torch.tensor([0.5, -0.1, 2.0, 0.3, 0, 0, 0, 0]), extra={MASK_KEY: mask.clone()})
+    grads = torch.tensor([[0.0, 9.0, 0.0, 0.0, 1.0, 5.0, -3.0, 0.5]])
+    alg._gradients = lambda ctx: {"w": grads}  # type: ignore[method-assign]
+    assert alg.evolve_mask(st, None, 0) == 0.5  # type: ignore[arg-type]
+    # ceil(0.5 * 4) = 2 pruned: |-0.1| and |0.3|; 2 regrown among the 6 now inactive: grad 9 (the
+    # just-pruned coordinate 1, which keeps its value) and |5|.
+    assert st.extra[MASK_KEY].tolist() == [1, 1, 1, 0, 0, 1, 0, 0]
+    assert st.params.tolist() == pytest.approx([0.5, -0.1, 2.0, 0, 0, 0, 0, 0])
+    assert alg.evolve_mask(st, None, 10) == 0.0 and st.extra[MASK_KEY].sum() == 4  # type: ignore[arg-type]
 
 
 def _hand_layout() -> ParamLayout:

@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from p2pfl.algorithms import (
+    ALGORITHMS,
     HyperparameterError,
     PeerState,
     TrainContext,
+    algorithm_class,
     baselines,
     build_algorithm,
     dfedadmm,
@@ -165,13 +167,13 @@ def _admm_reference(model: torch.nn.Module, layout: ParamLayout, x0: torch.Tenso
     flat = x0.clone()
     ctx = _ctx(model, layout, flat, seed=seed)
     params = list(model.parameters())
+    assert [s.name for s in layout.specs] == [n for n, _ in model.named_parameters()]  # flat order = params order
     for x, y in ctx.data.epoch(ctx.generator):
         if rho > 0:
             sam_gradient(model, params, x, y, rho)
             grad = torch.cat([p.grad.reshape(-1) for p in params])
         else:
             grad = torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(model(x), y), params)])
-        # layout order == model.parameters() order for the MLP (head registered last)
         with torch.no_grad():
             flat -= lr * (grad - dual + (flat - x0) / lam)
     return flat - lam * dual
@@ -264,7 +266,8 @@ def test_presets_build_their_algorithms() -> None:
 # samples, so sharing the whole model should help every full-model method, as their papers say
 # for IID data (spec 002 section 5, spec 003 section 4). 3 local epochs (12 steps), 6 rounds, ring.
 # Each method is compared with `local` running the same local optimizer where `local` can (same
-# momentum, same weight decay), so the margin is the gossip's, not the optimizer's.
+# momentum, same weight decay), and with itself cut off from its neighbours (no gossip step; DFedADMM
+# alone is a different optimizer from `local`), so the margin is the gossip's, not the optimizer's.
 BEAT_DATA = {"dataset": "synthetic", "partition": {"kind": "iid"}, "batch_size": 16,
              "params": {"num_classes": 4, "train_size": 240, "test_size": 800, "shape": [1, 8, 8], "seed": 1,
                         "noise": 3.0}}
@@ -276,6 +279,16 @@ BEAT: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name -> (its hyper
     "dfedadmm": ({"local_epochs": 3}, {"local_epochs": 3, "weight_decay": 0.0}),
     "dfedadmm_sam": ({"local_epochs": 3}, {"local_epochs": 3, "weight_decay": 0.0}),
 }
+
+
+def _isolated(name: str) -> type:
+    """``name``'s algorithm with no gossip step: the same local rule, alone."""
+    cls = algorithm_class(name)
+    return type(f"Isolated_{name}", (cls,), {"name": f"{name}_isolated", "gossip_steps": lambda self: 0})
+
+
+ISOLATED = {f"Isolated_{name}": _isolated(name) for name in FULL}
+globals().update(ISOLATED)
 
 
 @cache
@@ -292,9 +305,12 @@ def beat_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.parametrize("name", FULL)
-def test_full_model_methods_beat_local_on_iid(name: str, beat_dir: str) -> None:
+def test_full_model_methods_beat_local_on_iid(name: str, beat_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(ALGORITHMS, f"{name}_isolated", f"{__name__}:Isolated_{name}")
     mine, local = BEAT[name]
     acc = _beat_acc(json.dumps({"name": name, **mine}, sort_keys=True), beat_dir)
     base = _beat_acc(json.dumps({"name": "local", **local}, sort_keys=True), beat_dir)
-    print(f"{name}: {acc:.4f} vs local {base:.4f}")
+    alone = _beat_acc(json.dumps({"name": f"{name}_isolated", **mine}, sort_keys=True), beat_dir)
+    print(f"{name}: {acc:.4f} vs local {base:.4f}, alone {alone:.4f}")
     assert acc > base + 0.02
+    assert acc > alone + 0.02

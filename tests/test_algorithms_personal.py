@@ -23,7 +23,7 @@ from p2pfl.algorithms.dfedmdc import PRESETS as MDC_PRESETS
 from p2pfl.algorithms.dfedmdc import DFedMDC, DFedSMDC
 from p2pfl.algorithms.dfedpgp import PRESETS as PGP_PRESETS
 from p2pfl.algorithms.dfedpgp import DFedPGP
-from p2pfl.config import load_config
+from p2pfl.config import load_config, resolve_preset
 from p2pfl.experiment import Experiment
 from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
@@ -74,8 +74,8 @@ class Capture(Transport):
         return self.inner.exchange(message, plan, deadline_s)
 
 
-def _nodes(exp: Experiment, sink: list[Message] | None = None) -> list[Node]:
-    hub = MemoryHub()
+def _nodes(exp: Experiment, sink: list[Message] | None = None, hub: MemoryHub | None = None) -> list[Node]:
+    hub = hub or MemoryHub()
     models = ModelPool(exp.model_factory, 1)
     nodes = []
     for pid in exp.topology.ids:
@@ -85,11 +85,10 @@ def _nodes(exp: Experiment, sink: list[Message] | None = None) -> list[Node]:
         node = exp.make_node(pid, transport=transport, models=models, record=lambda rec: None, run_dir=None)
         node.deadline_s = 30.0
         nodes.append(node)
-    nodes[0].hub = hub  # type: ignore[attr-defined]  # kept for abort on failure
     return nodes
 
 
-def _run(nodes: list[Node]) -> None:
+def _run(nodes: list[Node], hub: MemoryHub) -> None:
     """Run the real Node loops (threads, in-memory transport); re-raise a peer's failure."""
     errors: list[BaseException] = []
 
@@ -98,7 +97,7 @@ def _run(nodes: list[Node]) -> None:
             node.run()
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
-            nodes[0].hub.abort(repr(exc))  # type: ignore[attr-defined]
+            hub.abort(repr(exc))  # wake the other peers instead of letting them wait for it
 
     threads = [threading.Thread(target=go, args=(n,), daemon=True) for n in nodes]
     for t in threads:
@@ -204,6 +203,10 @@ def test_presets_build_and_bad_hyperparameters_are_refused(tmp_path: Path) -> No
         with pytest.raises(HyperparameterError):
             cls(bad, layout)
     assert DFedPGP({"mix_mode": "push"}, layout).mode == "push" and DFedPGP({}, layout).mode == "pull"
+    for name, algo in (("dfedmdc-paper", "dfedmdc"), ("dfedsmdc-paper", "dfedsmdc"), ("deprl-paper", "deprl"),
+                       ("dfedpgp-paper", "dfedpgp")):
+        resolved = resolve_preset({"name": algo, "preset": name, "lr_body": 0.05})
+        assert resolved["lr_body"] == 0.05 and resolved["preset"] == name  # config keys win over the preset
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,9 +255,10 @@ def test_only_the_shared_body_goes_on_the_wire(tmp_path: Path, algo: str) -> Non
     exp = _experiment(tmp_path, FAST[algo], rounds=3, kind="full")
     layout = exp.layout
     sent: list[Message] = []
-    nodes = _nodes(exp, sent)
+    hub = MemoryHub()
+    nodes = _nodes(exp, sent, hub)
     init = nodes[0].state.params.clone()
-    _run(nodes)
+    _run(nodes, hub)
     assert len(sent) == 3 * 4
     for m in sent:
         assert tuple(s.name for s in m.manifest) == layout.shared_names
@@ -362,8 +366,9 @@ def test_pull_mode_keeps_mu_exactly_one(tmp_path: Path) -> None:
     topo = generate("random_pull", 7, k=5)
     exp = _experiment(tmp_path, FAST["dfedpgp"], topology=topo, rounds=4)
     sent: list[Message] = []
-    nodes = _nodes(exp, sent)
-    _run(nodes)
+    hub = MemoryHub()
+    nodes = _nodes(exp, sent, hub)
+    _run(nodes, hub)
     assert len(sent) == 4 * 7 and all(m.scalars == {"mu": 1.0} for m in sent)
     assert all(n.state.scalars["mu"] == 1.0 for n in nodes)
 
@@ -371,8 +376,9 @@ def test_pull_mode_keeps_mu_exactly_one(tmp_path: Path) -> None:
 def test_push_mode_through_the_node_loop(tmp_path: Path) -> None:
     exp = _experiment(tmp_path, FAST["dfedpgp-push"], topology=generate("random_pull", 5, k=1), rounds=4)
     sent: list[Message] = []
-    nodes = _nodes(exp, sent)
-    _run(nodes)
+    hub = MemoryHub()
+    nodes = _nodes(exp, sent, hub)
+    _run(nodes, hub)
     mus = [n.state.scalars["mu"] for n in nodes]
     assert sum(mus) == pytest.approx(5.0, abs=1e-12) and len({round(v, 9) for v in mus}) > 1
     assert any(m.scalars["mu"] != 1.0 for m in sent)

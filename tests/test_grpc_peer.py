@@ -330,7 +330,7 @@ def test_missing_neighbour_ends_in_missing_within_the_deadline(certs: Path) -> N
         res = c.transports["p0"].exchange(message(topo, "p0", 0), topo.plan("p0", 0), 1.0)
         elapsed = time.monotonic() - t0
         assert res.missing == ["p3"] and list(res.received) == ["p1"]
-        assert 0.9 <= elapsed < 3.0
+        assert 0.9 <= elapsed < 4.0
         with pytest.raises(TransportError, match="DEADLINE_EXCEEDED"):
             c.transports["p0"].pull("p3", 0, 0, 0.3)
 

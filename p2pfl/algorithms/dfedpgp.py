@@ -7,7 +7,6 @@ Only the body and mu are sent; the head never leaves the node.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, ClassVar
 
@@ -18,8 +17,6 @@ from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, Tra
 from p2pfl.algorithms.mixing import mix_into, mix_scalar
 from p2pfl.messages import Message
 from p2pfl.topology import MixingPlan
-
-log = logging.getLogger(__name__)
 
 MU = "mu"  # the push-sum weight: in state.scalars and as a message scalar
 
@@ -122,7 +119,7 @@ class DFedPGP(Algorithm):
         if not (math.isfinite(mu) and mu > 0):
             raise FloatingPointError(f"{self.name}: push-sum weight became {mu}")
         body = state.params[:n]
-        mix_into(body, own.flat, plan, received, renormalize=True)
+        mix_into(body, own.flat, plan, received, renormalize=pull)
         if pull:
             if abs(mu - 1.0) > 1e-9:  # cannot happen with row-stochastic weights and mu_j = 1
                 raise FloatingPointError(f"{self.name}: pull-mode mu drifted to {mu}")

@@ -29,16 +29,16 @@ def sam_gradient(model: nn.Module, params: list[nn.Parameter], x: torch.Tensor, 
     grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
     scale = float(rho) / (float(norm) + 1e-12)
-    eps = [g * scale for g in grads]
+    saved = [p.detach().clone() for p in params]  # restore exactly: (w + e) - e != w in floating point
     with torch.no_grad():
-        for p, e in zip(params, eps, strict=True):
-            p.add_(e)
+        for p, g in zip(params, grads, strict=True):
+            p.add_(g, alpha=scale)
     for p in params:
         p.grad = None
     loss_fn(model(x), y).backward()
     with torch.no_grad():
-        for p, e in zip(params, eps, strict=True):
-            p.sub_(e)
+        for p, w in zip(params, saved, strict=True):
+            p.copy_(w)
     return loss.detach()
 
 

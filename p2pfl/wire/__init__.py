@@ -2,27 +2,42 @@
 
 from p2pfl.wire.codec import (
     DEFAULT_CHUNK_BYTES,
+    PARALLEL_MIN_BYTES,
     Decoder,
     EncodedPayload,
     RawData,
+    crc32,
+    crc32_combine,
     decode,
     encode,
     encode_frames,
     parse_frame,
 )
-from p2pfl.wire.validate import DTYPE, Expectation, Reason, WireError, check_finite, check_header
+from p2pfl.wire.validate import (
+    DTYPE,
+    Expectation,
+    Reason,
+    WireError,
+    all_finite,
+    check_finite,
+    check_header,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DTYPE",
+    "PARALLEL_MIN_BYTES",
     "Decoder",
     "EncodedPayload",
     "Expectation",
     "RawData",
     "Reason",
     "WireError",
+    "all_finite",
     "check_finite",
     "check_header",
+    "crc32",
+    "crc32_combine",
     "decode",
     "encode",
     "encode_frames",
