@@ -106,8 +106,10 @@ class Node:
                           self.peer_id, r, step, len(res.received), need)
                 res.received = {}
             if step == 0 and res.received:
-                mean = torch.stack([m.flat for m in res.received.values()]).mean(0)
-                consensus = float(torch.linalg.vector_norm(msg.flat - mean))
+                # Distance of our shared part to the mean of the neighbours' (same round, before mixing).
+                n = min(self.layout.num_shared, msg.flat.numel())
+                mean = torch.stack([m.flat[:n] for m in res.received.values()]).mean(0)
+                consensus = float(torch.linalg.vector_norm(msg.flat[:n] - mean))
             self.algorithm.combine(self.state, r, step, msg, res.received, plan)
             sent += res.bytes_sent
             recv += res.bytes_recv
@@ -120,7 +122,8 @@ class Node:
                 self.layout.bind(model, self.state.params)
                 ev = self.app.evaluate(model)
             rec.update(acc=ev["acc"], loss=ev["loss"])
-        rec.update(train_loss=train_metrics.get("train_loss"), bytes_sent=sent, bytes_recv=recv,
+        rec.update({k: v for k, v in train_metrics.items() if isinstance(v, int | float)})
+        rec.update(bytes_sent=sent, bytes_recv=recv,
                    consensus_dist=consensus, missing=sorted(missing), train_seconds=t_train,
                    seconds=time.perf_counter() - t0)
         self.record(rec)

@@ -8,6 +8,7 @@ import shutil
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,7 @@ def ring(n: int) -> Topology:
 
 
 def message(topo: Topology, peer: str, r: int, step: int = 0, scalars: dict[str, float] | None = None) -> Message:
-    g = torch.Generator().manual_seed(hash((peer, r, step)) % (1 << 31))
+    g = torch.Generator().manual_seed(zlib.crc32(f"{peer}/{r}/{step}".encode()))
     return Message(peer, r, step, topo.hash(), SPECS, torch.randn(NUMEL, generator=g),
                    {"weight": 0.5} if scalars is None else scalars)
 

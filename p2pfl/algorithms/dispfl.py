@@ -2,7 +2,7 @@
 
 The baseline that specs 000 (DFedMDC), 001 (DFedPGP), 003 (DFedSAM) and 004 (DePRL) compare
 against. Every peer holds one model of the common architecture, kept sparse by a personal 0/1
-mask; personalization lives entirely in the masks (spec 004 §2: "a single global parameter w,
+mask; personalization lives entirely in the masks (spec 004 §2 Baselines: "a single global parameter w,
 and each worker learns an individual 0/1 mask m_i"). A round is:
 
 1. **local sparse training**: ``local_epochs`` of SGD on the whole model, the mask re-applied
@@ -17,24 +17,24 @@ and each worker learns an individual 0/1 mask m_i"). A round is:
 
 Choices on the ambiguities (spec sections in brackets)
 -----------------------------------------------------
-* **Order: mask evolution after local training, before sending** [001 §baselines table: "train,
-  then prune/regrow"; 000 §3 table]. The message therefore carries the *new* mask, and coordinates
+* **Order: mask evolution after local training, before sending** [001 §2 Baselines table:
+  "train, then prune/regrow"; 000 §3 Baselines table]. The message therefore carries the *new* mask, and coordinates
   regrown this round (weight 0) are filled by the neighbours that hold them in the aggregation that
   follows: that is how a regrown weight gets a useful initial value in DisPFL. Evaluation then sees
   the aggregated model (the Node evaluates after ``combine``); which of the two DisPFL reports is
-  open [000 A8].
+  open [000 §2.3 A8].
 * **What is sparse**: the weights of conv and linear layers (every parameter tensor with two or
   more dimensions), the final linear layer included — DisPFL masks the whole network. Biases and
   normalization (GroupNorm) parameters — the 1-D tensors — are dense and exchanged dense, the
   usual sparse-training (RigL/ERK) convention: they are a negligible share of the parameters, and
   ERK would make them dense anyway (their ERK ratio is 1).
 * **Density**: ``density`` is the dense ratio over the prunable tensors, default 0.5 [000 §7:
-  "sparsity ... 0.5 corresponds to the Dis-PFL dense_ratio of 0.5"; 000 checklist 10; 001 §baselines].
-  The layer-wise split is ``distribution: erk`` (Erdős–Rényi-kernel, DisPFL's default: layer density
+  "sparsity ... 0.5 corresponds to the Dis-PFL dense_ratio of 0.5"; 000 checklist 10; 001 §2].
+  The layer-wise split is ``distribution: erk`` (Erdős–Rényi-kernel, the DisPFL code's default: layer density
   proportional to ``sum(shape) / prod(shape)``, layers that would exceed 1 made dense and the rest
   rescaled) or ``uniform`` (every prunable layer at ``density``). A layer's active count is
   ``round(density_l * numel)``, at least 1.
-* **Initial masks are personal, initial weights are common** [001 §1.2: "Dis-PFL's script uses
+* **Initial masks are personal, initial weights are common** [001 §1.2 (c): "Dis-PFL's script uses
   --different_initial for masks only; model weights share one init"]: each layer's active set is a
   uniformly random subset drawn from the peer's own generator; the common initial model is masked.
 * **Annealing horizon**: ``anneal_rounds`` is T in the cosine schedule. Algorithms are not told the
@@ -49,10 +49,10 @@ Choices on the ambiguities (spec sections in brackets)
   ``regrow: gradient`` (DisPFL's rule) uses the loss gradient of the trained, masked model on one
   minibatch drawn from the peer's own generator; ``regrow: random`` (DisPFL's ablation) draws the
   regrown set uniformly from the same generator. ``evolve_masks: false`` keeps the initial masks.
-* **Local optimizer** [000 A5, A10; 001 §baselines, DisPFL code]: SGD, lr 0.1 decayed ×0.998 per
+* **Local optimizer** [000 §2.3 A5, A10; 001 §2 (Dis-PFL code details)]: SGD, lr 0.1 decayed ×0.998 per
   round, weight decay 5e-4, 5 local epochs, the optimizer re-created every round (momentum local to
   the round), gradient-norm clipping at 10. Momentum defaults to 0, the DisPFL code's default
-  [001 §baselines: "Dis-PFL's --momentum defaults to 0"]; spec 000 (checklist 10) runs every method,
+  [001 §2: "Dis-PFL's --momentum defaults to 0"]; spec 000 (checklist 10) runs every method,
   Dis-PFL included, with momentum 0.9 — the ``dispfl-dfedmdc`` preset does that.
 * **What goes on the wire**: ``shares = "all"``: the whole masked model (the final linear layer
   too — DisPFL has no personal head; the layout's head/body split is ignored here) followed by one
@@ -65,8 +65,9 @@ Choices on the ambiguities (spec sections in brackets)
   bitwise reproducible. Nothing from a peer is trusted: received mask values count as "held" when
   > 0.5, and a sender's weights outside its own mask are ignored.
 * **Topology**: DisPFL's experiments pull from 10 uniformly random peers per round plus self with
-  weight 1/11 [000 A3; 001 §1.4] — use a ``random_pull`` topology with ``k: 10``; presets cannot
-  set the topology.
+  weight 1/11 [000 §2.3 A3; 001 §1.3] — use a ``random_pull`` topology with ``k: 10``. Spec 001
+  §1.3 says the DFedPGP paper ran Dis-PFL on a symmetric undirected random graph instead; both work
+  here, since the aggregation renormalizes per coordinate. Presets cannot set the topology.
 """
 
 from __future__ import annotations
