@@ -98,6 +98,10 @@ class DFedPGP(Algorithm):
         head, body = self.phases(round, float(state.scalars[MU]))
         return alternating_update(ctx, head, body)
 
+    def wire_scalars(self) -> tuple[str, ...]:
+        """Every message carries the push-sum weight, so receivers insist on it."""
+        return ("mu",)
+
     def outgoing(self, state: PeerState, round: int, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         """The numerator u = mu * z of the body, and mu (float64) as the message scalar ``mu``."""
         mu = float(state.scalars[MU])

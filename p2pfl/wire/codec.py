@@ -146,8 +146,16 @@ def _pool() -> futures.ThreadPoolExecutor:
         return _POOL
 
 
+try:  # ISA-L's CRC-32: the same values as zlib.crc32, about 5x faster (SIMD carry-less multiply)
+    from isal.isal_zlib import crc32 as _isal_crc32
+except ImportError:  # pragma: no cover - isal is a dependency; keep working without it
+    _isal_crc32 = None
+
+
 def crc32(view: memoryview, piece: int = _CRC_PIECE) -> int:
-    """zlib.crc32 of ``view``; large buffers are split over the wire worker threads."""
+    """zlib.crc32 of ``view``: ISA-L when installed, else zlib split over the wire worker threads."""
+    if _isal_crc32 is not None:
+        return _isal_crc32(view)
     if view.nbytes < 2 * piece:
         return zlib.crc32(view)
     pieces = [view[i : i + piece] for i in range(0, view.nbytes, piece)]
@@ -317,7 +325,7 @@ def _absorb(buf: memoryview, values: np.ndarray, pos: int, data: bytes | memoryv
     """Copy one chunk into place; return its CRC-32 and whether its whole floats are finite (None: unaligned)."""
     n = len(data)
     buf[pos : pos + n] = data
-    crc = zlib.crc32(data)
+    crc = _isal_crc32(data) if _isal_crc32 is not None else zlib.crc32(data)
     if pos % 4 or n % 4:
         return crc, None
     return crc, all_finite(values[pos // 4 : (pos + n) // 4])
