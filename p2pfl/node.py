@@ -75,6 +75,8 @@ class Node:
     def run(self) -> PeerState:
         while self.state.round < self.rounds and not self.stop.is_set():
             self.run_round(self.state.round)
+        if self.state.round >= self.rounds:
+            self.transport.linger(self.deadline_s)
         return self.state
 
     def run_round(self, r: int) -> dict[str, Any]:

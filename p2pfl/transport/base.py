@@ -31,6 +31,10 @@ class Transport(ABC):
     def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
         """Deliver ``message`` per ``plan`` and collect the in-neighbours' messages for the same (round, step)."""
 
+    def linger(self, deadline_s: float) -> None:
+        """After the last round: keep serving until neighbours got our last payload (default: nothing to do)."""
+        return None
+
     def close(self) -> None:
         """Release sockets/threads (nothing to release by default)."""
         return None

@@ -158,6 +158,7 @@ class PeerServer:
         self._server: grpc.Server | None = None
         self._health: health.HealthServicer | None = None
         self._published: dict[tuple[int, int], EncodedPayload] = {}
+        self._pulled_by: dict[tuple[int, int], set[str]] = {}  # who completed a Pull of each payload
         self._inbox: dict[tuple[str, int, int], tuple[Message, int]] = {}
         self._round = 0
         self._served = 0
@@ -319,6 +320,7 @@ class PeerServer:
         keep = self._round - 1
         for key in [k for k in self._published if k[0] < keep]:
             del self._published[key]
+            self._pulled_by.pop(key, None)
         for key in [k for k in self._inbox if k[1] < keep]:
             del self._inbox[key]
 
@@ -457,6 +459,23 @@ class PeerServer:
             with self._cond:
                 self._served += sent
                 self._pulls_served += sent == payload.wire_bytes
+                if sent == payload.wire_bytes:
+                    self._pulled_by.setdefault((r, s), set()).add(caller)
+                    self._cond.notify_all()
+
+    def wait_pulled(self, key: tuple[int, int], peers: frozenset[str] | set[str], deadline: float) -> set[str]:
+        """Wait until every peer in ``peers`` completed a Pull of ``key`` or ``deadline`` (monotonic) passes.
+
+        Returns those that did not. A peer that finishes its last round lingers on this before it
+        stops serving, so slower neighbours can still pull its final payload.
+        """
+        with self._cond:
+            while True:
+                left = set(peers) - self._pulled_by.get(key, set())
+                remaining = deadline - time.monotonic()
+                if not left or remaining <= 0:
+                    return left
+                self._cond.wait(timeout=min(remaining, 1.0))
 
     def _wake(self) -> None:
         with self._cond:

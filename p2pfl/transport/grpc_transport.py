@@ -121,6 +121,8 @@ class GrpcTransport(Transport):
         self._pushed = 0
         self._pushed_reported = 0
         self._closed = False
+        self._last_published: tuple[tuple[int, int], frozenset[str]] | None = None
+        self._pushes: list[futures.Future[bool]] = []
 
     # ---- channels ------------------------------------------------------------------------------
 
@@ -190,6 +192,7 @@ class GrpcTransport(Transport):
 
     def _exchange_pull(self, message: Message, plan: MixingPlan, deadline: float) -> ExchangeResult:
         self.server.publish(message)
+        self._last_published = ((message.round, message.step), frozenset(plan.out_weights))
         senders = list(plan.in_weights)
         jobs = {j: self._pool.submit(self._pull_one, j, message.round, message.step, deadline) for j in senders}
         received: dict[str, Message] = {}
@@ -252,8 +255,7 @@ class GrpcTransport(Transport):
         self.server.set_round(message.round)
         payload = encode_frames(message, self.chunk_bytes)
         tag = f"round {message.round} step {message.step}"
-        for k in plan.out_weights:
-            self._pool.submit(self._push_one, k, payload, deadline, tag)
+        self._pushes = [self._pool.submit(self._push_one, k, payload, deadline, tag) for k in plan.out_weights]
         keys = [(j, message.round, message.step) for j in plan.in_weights]
         got = self.server.take(keys, deadline)
         received = {j: got[j][0] for j in plan.in_weights if j in got}
@@ -289,6 +291,23 @@ class GrpcTransport(Transport):
         with self._lock:
             n, self._pushed_reported = self._pushed - self._pushed_reported, self._pushed
         return n
+
+    def linger(self, deadline_s: float) -> None:
+        """Before stopping: let the neighbours get this peer's last payload (up to ``deadline_s``).
+
+        A peer that finishes first would otherwise take its final payload away from neighbours that
+        are still one exchange behind: pull mode waits until every planned puller completed its Pull;
+        push mode waits for its own pushes in flight.
+        """
+        deadline = time.monotonic() + deadline_s
+        if self._last_published is not None:
+            key, pullers = self._last_published
+            left = self.server.wait_pulled(key, pullers, deadline)
+            if left:
+                log.warning("%s: stopping before %s pulled round %d step %d", self.peer_id,
+                            ",".join(sorted(left)), key[0], key[1])
+        if self._pushes:
+            futures.wait(self._pushes, timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Close channels and worker threads; stop the server too when this transport owns it."""
