@@ -80,29 +80,37 @@ class ExperimentConfig:
         return {k: v for k, v in self.algorithm.items() if k != "name"}
 
 
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``a.b.c`` in a nested dict, creating mappings on the way (what ``--set`` does)."""
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"key {key!r} has an empty part")
+    node = data
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"cannot set {key!r}: {p!r} is not a mapping")
+        node = nxt
+    node[parts[-1]] = copy.deepcopy(value)
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
-    """Return a copy of ``data`` with ``KEY=VALUE`` overrides (dotted keys) applied."""
+    """Return a copy of ``data`` with ``KEY=VALUE`` overrides (dotted keys, YAML values) applied."""
     out = copy.deepcopy(data)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not KEY=VALUE")
         key, _, text = item.partition("=")
-        parts = [p for p in key.strip().split(".")]
-        if not all(parts):
-            raise ConfigError(f"override {item!r} has an empty key part")
         try:
             value = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError as exc:
             raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from exc
-        node = out
-        for p in parts[:-1]:
-            nxt = node.get(p)
-            if nxt is None:
-                nxt = node[p] = {}
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override {item!r}: {p!r} is not a mapping")
-            node = nxt
-        node[parts[-1]] = value
+        try:
+            set_dotted(out, key, value)
+        except ConfigError as exc:
+            raise ConfigError(f"override {item!r}: {exc}") from None
     return out
 
 

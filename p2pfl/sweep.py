@@ -41,7 +41,14 @@ from typing import IO, Any
 
 import yaml
 
-from p2pfl.config import ConfigError, ExperimentConfig, apply_overrides, parse_config, resolve_path
+from p2pfl.config import (
+    ConfigError,
+    ExperimentConfig,
+    apply_overrides,
+    parse_config,
+    resolve_path,
+    set_dotted,
+)
 
 #: Longest cell folder name before it is shortened with a hash suffix (filesystems allow 255).
 MAX_CELL_NAME = 100
@@ -224,22 +231,6 @@ def _canon(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    """Set ``a.b.c`` in a nested dict, creating mappings on the way (as ``--set`` does)."""
-    parts = key.split(".")
-    if not all(parts):
-        raise ConfigError(f"key {key!r} has an empty part")
-    node = data
-    for p in parts[:-1]:
-        nxt = node.get(p)
-        if nxt is None:
-            nxt = node[p] = {}
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"cannot set {key!r}: {p!r} is not a mapping")
-        node = nxt
-    node[parts[-1]] = copy.deepcopy(value)
-
-
 def _get_dotted(data: dict[str, Any], key: str) -> Any:
     node: Any = data
     for p in key.split("."):
@@ -364,7 +355,7 @@ def plan_cells(spec: SweepSpec, *, jobs: int = 1, cores: int | None = None) -> l
             try:
                 data = copy.deepcopy(base)
                 for key, val in pairs:
-                    _set_dotted(data, key, val)
+                    set_dotted(data, key, val)
                 swept = {k for k, _ in pairs}
                 if "topology" in swept and isinstance(data.get("topology"), str):
                     # a topology named by the sweep is relative to the cwd, else to the sweep file

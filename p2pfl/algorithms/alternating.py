@@ -81,6 +81,19 @@ def check_amount(algo: str, key: str, value: Any, unit: str) -> None:
         raise HyperparameterError(f"{algo}: {key} counts steps and must be an integer, got {value!r}")
 
 
+def check_alternating(algo: str, hp: dict[str, Any], unit_key: str = "local_unit",
+                      amounts: tuple[str, ...] = ("body_local", "head_local")) -> None:
+    """The checks every head-then-body algorithm shares: unit, phase lengths, momentum, decay."""
+    check_unit(algo, unit_key, hp[unit_key])
+    for key in amounts:
+        check_amount(algo, key, hp[key], hp[unit_key])
+    for key in ("momentum", "weight_decay"):
+        if not float(hp[key]) >= 0:
+            raise HyperparameterError(f"{algo}: {key} must be >= 0")
+    if not 0 < float(hp["lr_decay"]) <= 1:
+        raise HyperparameterError(f"{algo}: lr_decay must be in (0, 1]")
+
+
 def run_phase(ctx: TrainContext, params: list, phase: Phase) -> float | None:
     """Train ``params`` (all others frozen) for one phase; return its mean loss (None if skipped)."""
     if phase.empty:

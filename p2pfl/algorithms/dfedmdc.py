@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from p2pfl.algorithms.alternating import Phase, alternating_update, check_amount, check_unit
+from p2pfl.algorithms.alternating import Phase, alternating_update, check_alternating
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
 
 
@@ -49,14 +49,7 @@ class DFedMDC(Algorithm):
 
     def validate(self) -> None:
         super().validate()
-        check_unit(self.name, "local_unit", self.hp["local_unit"])
-        for key in ("body_local", "head_local"):
-            check_amount(self.name, key, self.hp[key], self.hp["local_unit"])
-        for key in ("momentum", "weight_decay"):
-            if not float(self.hp[key]) >= 0:
-                raise HyperparameterError(f"{self.name}: {key} must be >= 0")
-        if not 0 < float(self.hp["lr_decay"]) <= 1:
-            raise HyperparameterError(f"{self.name}: lr_decay must be in (0, 1]")
+        check_alternating(self.name, self.hp)
 
     def sam_rho(self, part: str) -> float:
         """SAM radius of ``part`` ("head" or "body"): none for DFedMDC."""

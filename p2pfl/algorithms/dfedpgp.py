@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from p2pfl.algorithms.alternating import Phase, alternating_update, check_amount, check_unit
+from p2pfl.algorithms.alternating import Phase, alternating_update, check_alternating
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
 from p2pfl.algorithms.mixing import mix_into, mix_scalar
 from p2pfl.messages import Message
@@ -68,14 +68,7 @@ class DFedPGP(Algorithm):
 
     def validate(self) -> None:
         super().validate()
-        check_unit(self.name, "local_unit", self.hp["local_unit"])
-        for key in ("body_local", "head_local"):
-            check_amount(self.name, key, self.hp[key], self.hp["local_unit"])
-        for key in ("momentum", "weight_decay"):
-            if not float(self.hp[key]) >= 0:
-                raise HyperparameterError(f"{self.name}: {key} must be >= 0")
-        if not 0 < float(self.hp["lr_decay"]) <= 1:
-            raise HyperparameterError(f"{self.name}: lr_decay must be in (0, 1]")
+        check_alternating(self.name, self.hp)
         if self.hp["mix_mode"] not in ("pull", "push"):
             raise HyperparameterError(f"{self.name}: mix_mode must be pull or push, got {self.hp['mix_mode']!r}")
 
