@@ -25,7 +25,7 @@ TOP_KEYS = {
     "network", "simulation", "eval_every", "checkpoint",
 }
 DATA_KEYS = {"dataset", "root", "partition", "batch_size", "params"}
-NETWORK_KEYS = {"round_timeout_s", "connect_timeout_s", "quorum", "max_message_mb", "chunk_kb", "insecure",
+NETWORK_KEYS = {"round_timeout_s", "quorum", "max_message_mb", "chunk_kb", "insecure",
                 "certs"}
 SIMULATION_KEYS = {"workers"}
 CHECKPOINT_KEYS = {"enabled", "every"}
@@ -45,7 +45,6 @@ class NetworkConfig:
     """How a peer talks to its neighbours over gRPC (ignored by the in-memory simulation)."""
 
     round_timeout_s: float = 60.0  # how long a peer waits for its neighbours' payloads each step
-    connect_timeout_s: float = 10.0
     quorum: float = 0.0  # fraction of in-neighbours that must arrive (0: self alone is enough)
     max_message_mb: int = 256
     chunk_kb: int = 1024

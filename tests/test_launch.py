@@ -87,7 +87,7 @@ def _node(cfg: Path, pid: str, out: Path, certs: Path, log: Path) -> subprocess.
 def test_peer_killed_mid_run_others_finish_and_it_resumes(tmp_path: Path) -> None:
     rounds = 10
     cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds,
-                      network={"round_timeout_s": 3.0, "connect_timeout_s": 2.0})
+                      network={"round_timeout_s": 3.0})
     out, certs = tmp_path / "run", tmp_path / "certs"
     make_certs(PEERS, certs)
     procs = {pid: _node(cfg, pid, out, certs, tmp_path / f"{pid}.log") for pid in PEERS}

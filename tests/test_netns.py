@@ -155,7 +155,7 @@ def _check_reachable(lab: Lab, src: str, dst: str) -> None:
 def test_peers_in_separate_network_namespaces_train_over_mutual_tls(lab: Lab, tmp_path: Path) -> None:
     # A tiny synthetic experiment whose topology addresses are the namespaces' own IPs.
     cfg = tiny_config(tmp_path, peers=len(PEERS), rounds=ROUNDS,
-                      network={"round_timeout_s": 60, "connect_timeout_s": 30, "quorum": 1.0})
+                      network={"round_timeout_s": 60, "quorum": 1.0})
     n = len(PEERS)
     topo = parse_topology({
         "name": "netns-ring",
