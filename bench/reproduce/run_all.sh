@@ -8,7 +8,7 @@ mkdir -p runs/reproduce
 # wait for a sweep already running (e.g. from an earlier invocation of this script)
 while pgrep -f "p2pfl sweep bench/reproduce" > /dev/null; do sleep 5; done
 for s in deprl_fmnist/ring-128 claims/dfedmdc claims/dfedpgp claims/dfedadmm claims/dfedsam \
-         deprl_fmnist/full-128 deprl_fmnist/random4-128; do
+         deprl_fmnist/variants deprl_fmnist/full-128 deprl_fmnist/random4-128; do
   name=$(basename "$s")
   [ "$s" = "${s#deprl_fmnist/}" ] || name="deprl-$name"
   [ "$s" = "${s#claims/}" ] || name="claims-$name"
