@@ -100,3 +100,13 @@ def test_checkpoint_roundtrip_is_exact(tmp_path) -> None:
     g2.set_state(rng)
     assert torch.equal(torch.rand(4, generator=g2), torch.rand(4, generator=gen_draw))
     assert not (tmp_path / "c.npz.tmp").exists()
+
+
+def test_memory_transport_refuses_non_finite_payloads_like_the_wire() -> None:
+    topo = generate("ring", 3)
+    hub = MemoryHub()
+    bad = _msg("p1", 0, float("nan"))
+    hub.publish(bad, ["p0"])
+    hub.publish(_msg("p2", 0, 2.0), ["p0"])
+    res = MemoryTransport(hub, "p0").exchange(_msg("p0", 0, 0.0), topo.plan("p0", 0), deadline_s=1)
+    assert sorted(res.received) == ["p2"] and res.missing == ["p1"]

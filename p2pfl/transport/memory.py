@@ -11,6 +11,8 @@ simulation's bridge); the board then only counts its local readers.
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +20,8 @@ from collections.abc import Callable
 from p2pfl.messages import Message
 from p2pfl.topology import MixingPlan
 from p2pfl.transport.base import ExchangeResult, Transport, TransportError
+
+log = logging.getLogger(__name__)
 
 HEADER_BYTES = 64  # a fixed estimate of the per-message header, for byte accounting
 
@@ -94,6 +98,17 @@ class MemoryTransport(Transport):
         self.hub.publish(message, readers)
         keys = [(j, message.round, message.step) for j in plan.in_weights]
         got = self.hub.take(keys, time.monotonic() + deadline_s)
+        for j in [j for j, m in got.items() if not _finite(m)]:
+            # The gRPC receiver refuses NaN/Inf payloads; so does the simulation (same results).
+            log.warning("%s round %d step %d: payload from %s rejected: NaN or Inf values",
+                        self.peer_id, message.round, message.step, j)
+            del got[j]
         missing = [j for j in plan.in_weights if j not in got]
         recv = sum(m.nbytes + HEADER_BYTES for m in got.values())
         return ExchangeResult(received=got, missing=missing, bytes_sent=size * len(readers), bytes_recv=recv)
+
+
+def _finite(msg: Message) -> bool:
+    from p2pfl.wire.validate import all_finite
+
+    return all(math.isfinite(v) for v in msg.scalars.values()) and all_finite(msg.flat.detach().cpu().numpy())
