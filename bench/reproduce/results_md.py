@@ -771,7 +771,7 @@ def header(runs: Path, sweeps: dict[str, SweepState]) -> list[str]:
         "classes per peer.",
         f"- {g(cbase, 'rounds')} rounds instead of 300–1000; 1 local epoch instead of 5 (DFedMDC/DFedSMDC and "
         f"DFedPGP: body_local 1, head_local {g(pgp, 'head_local')} epoch); batch {g(cbase, 'data', 'batch_size')} "
-        f"instead of 128; evaluated {every(g(cbase, 'eval_every'))}; every other hyperparameter is the "
+        f"{'(as in the papers)' if g(cbase, 'data', 'batch_size') == 128 else 'instead of 128'}; evaluated {every(g(cbase, 'eval_every'))}; every other hyperparameter is the "
         "paper's preset (lr, decay, momentum, weight decay: see the algorithm column under Run folders).",
         f"- DFedSMDC ρ = {g(smdc, 'rho')} instead of the paper's {smdc_paper_rho} ({smdc_paper_rho} diverges on "
         f"this small model). DFedSAM-MGS: Q = {g(mgs, 'gossip_steps')} gossip steps, ρ = {g(mgs, 'rho')} (paper).",
