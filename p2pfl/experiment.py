@@ -20,9 +20,9 @@ from p2pfl.modelpool import ModelPool
 from p2pfl.models import build_model, split_parameter_names
 from p2pfl.models.layout import ParamLayout
 from p2pfl.node import Node, Recorder
+from p2pfl.peerapp import PeerApp
 from p2pfl.topology import Topology, load_topology
 from p2pfl.transport.base import Transport
-from peers.app import PeerApp
 
 
 def resolve_device(name: str) -> torch.device:

@@ -21,9 +21,9 @@ from p2pfl.checkpoint import load_checkpoint, save_checkpoint
 from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
 from p2pfl.models.layout import ParamLayout
+from p2pfl.peerapp import PeerApp
 from p2pfl.topology import Topology
 from p2pfl.transport.base import Transport
-from peers.app import PeerApp
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
-"""The Flower-facing peer app: one peer's model factory, data and evaluation.
+"""The built-in peer app: one peer's model factory, data and evaluation.
 
-In the style of a Flower ``ClientApp``: the Node (decentralized) and the Flower adapter
-(centralized baselines) both call these handlers, so a peer trains and is measured the same
-way whoever drives it.
+The library's own counterpart of a Flower ``ClientApp`` for the built-in algorithms: the Node
+(decentralized) and the Flower baselines (``p2pfl.flower``) both measure a peer through it, so
+a peer is evaluated the same way whoever drives it. A user's own ClientApp takes its place
+through ``p2pfl.flower.clientapp`` (config key ``app``).
 """
 
 from __future__ import annotations
