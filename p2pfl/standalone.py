@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pfl.config import ExperimentConfig
+from p2pfl.health import check_health  # noqa: F401  (re-exported: its home is p2pfl.health)
 
 log = logging.getLogger(__name__)
 
@@ -93,32 +94,6 @@ def node_main(cfg: ExperimentConfig, peer_id: str, out_dir: Path, certs: Path | 
     return 0
 
 
-def check_health(address: str, *, certs: Path | None, peer: str | None, target: str | None, insecure: bool,
-                 timeout_s: float = 5.0) -> bool:
-    """True if the peer at ``address`` reports SERVING on the standard gRPC health service."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    if insecure:
-        channel = grpc.insecure_channel(address)
-    else:
-        from p2pfl.security.certs import TLSConfig
-
-        if certs is None or peer is None:
-            raise ValueError("TLS health check needs --certs DIR and --peer ID (or --insecure)")
-        tls = TLSConfig.load(certs, peer)
-        channel = grpc.secure_channel(address, tls.channel_credentials(),
-                                      options=[("grpc.ssl_target_name_override", target or peer)])
-    with channel:
-        try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                             timeout=timeout_s, wait_for_ready=False)
-        except grpc.RpcError as exc:
-            log.info("health check of %s failed: %s", address, exc.code())
-            return False
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
-
-
 # -- launch ----------------------------------------------------------------------------------------
 def launch(config: Path, cfg: ExperimentConfig, out_dir: Path, sets: list[str], *, insecure: bool = False,
            timeout_s: float | None = None, verbose: bool = False) -> dict[str, Any]:
@@ -132,9 +107,15 @@ def launch(config: Path, cfg: ExperimentConfig, out_dir: Path, sets: list[str], 
     write_inputs(out_dir, cfg.raw, topo.to_dict(), exp.partition)
     certs_dir = out_dir / "certs"
     if not insecure:
+        import tempfile
+
         from p2pfl.security.certs import make_certs
 
-        make_certs(list(topo.ids), certs_dir)
+        # Every peer reads certs_dir: the CA key must not be there (it mints any peer's identity).
+        # It lives only in a private temporary folder while the certificates are issued, so each
+        # launch makes a fresh CA; the peers of a launch are started (and restarted) together.
+        with tempfile.TemporaryDirectory(prefix="p2pfl-ca-") as ca_key_dir:
+            make_certs(list(topo.ids), certs_dir, ca_key_dir=ca_key_dir, overwrite=True)
     procs: dict[str, subprocess.Popen] = {}
     pumps: list[threading.Thread] = []
     t0 = time.perf_counter()

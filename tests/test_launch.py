@@ -61,6 +61,7 @@ def test_launch_with_tls_matches_simulation_bitwise(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[p0]" in proc.stdout or proc.stdout  # logs are streamed with peer prefixes
     assert (out / "certs" / "ca.crt").exists()  # TLS was on, with generated certificates
+    assert not list(out.rglob("ca.key"))  # the CA key is not left where the peers read
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tls"] is True and not summary["failed_peers"] and summary["rounds"] == 3
     recs = records(out / "metrics.jsonl")

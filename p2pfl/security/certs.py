@@ -12,6 +12,7 @@ Key files are written with mode 0600 and never logged.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import ipaddress
 import os
 import re
@@ -200,12 +201,18 @@ def make_certs(
     hosts: Mapping[str, Sequence[str]] | None = None,
     days: int = 365,
     overwrite: bool = False,
+    ca_key_dir: str | os.PathLike[str] | None = None,
 ) -> None:
     """Create (or complete) a deployment's certificates in ``out_dir``.
 
     Writes ``ca.key``/``ca.crt`` (self-signed CA) and, per peer, ``PEER.key``/``PEER.crt`` signed by
     the CA with the peer id as CN and DNS SAN, plus ``hosts[PEER]`` (IP addresses or DNS names) as
     further SANs. Keys get mode 0600.
+
+    ``ca_key_dir`` keeps the CA's private key out of ``out_dir``: whoever can read ``ca.key`` can
+    mint a certificate for any peer id, so it belongs in a folder no peer reads (created 0700).
+    A stale ``out_dir/ca.key`` is then removed. Default: ``out_dir`` (the ``p2pfl certs`` layout,
+    where the operator hands each peer only ``ca.crt`` and its own pair).
 
     Idempotent: an existing CA is kept (so certificates already handed out stay valid), and an
     existing peer certificate is kept when it is signed by that CA, unexpired and covers the asked
@@ -223,7 +230,16 @@ def make_certs(
         raise ValueError(f"hosts given for unknown peers: {sorted(unknown)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ca_key_path, ca_cert_path = out / CA_KEY, out / CA_CERT
+    ca_cert_path = out / CA_CERT
+    if ca_key_dir is None:
+        ca_key_path = out / CA_KEY
+    else:
+        key_dir = Path(ca_key_dir)
+        key_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(key_dir, 0o700)
+        ca_key_path = key_dir / CA_KEY
+        if ca_key_path.resolve() != (out / CA_KEY).resolve():
+            (out / CA_KEY).unlink(missing_ok=True)
 
     new_ca = overwrite or not (ca_key_path.exists() or ca_cert_path.exists())
     if new_ca:
@@ -305,7 +321,8 @@ def caller_peer_id(context: Any) -> str | None:
 
     gRPC has already verified the chain against the CA (``require_client_auth=True``); the id is the
     certificate's CN, accepted only when the certificate also lists it as a SAN (as `make_certs`
-    writes it), so a certificate whose names disagree is not trusted.
+    writes it), so a certificate whose names disagree is not trusted, nor one whose subject has
+    several CNs (gRPC reports just one of them, which would let such a certificate pass as that one).
     """
     auth = context.auth_context()
     if auth.get("transport_security_type") != [b"ssl"]:
@@ -313,8 +330,22 @@ def caller_peer_id(context: Any) -> str | None:
     cns = auth.get("x509_common_name") or []
     if len(cns) != 1:
         return None
+    pems = auth.get("x509_pem_cert") or []
+    if pems and _cn_count(pems[0]) != 1:
+        # gRPC reports only one CN of a subject that has several: count them in the certificate itself.
+        return None
     cn = cns[0].decode("utf-8", "replace")
     sans = {s.decode("utf-8", "replace") for s in auth.get("x509_subject_alternative_name") or []}
     if cn not in sans:
         return None
     return cn
+
+
+@functools.lru_cache(maxsize=256)
+def _cn_count(pem: bytes) -> int:
+    """How many CNs the subject of a PEM certificate has (0 for one that does not parse)."""
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+    except ValueError:
+        return 0
+    return len(cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME))

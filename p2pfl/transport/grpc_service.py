@@ -70,6 +70,7 @@ _STATUS: dict[Reason, grpc.StatusCode] = {
     Reason.CHECKSUM: grpc.StatusCode.DATA_LOSS,
     Reason.TRUNCATED: grpc.StatusCode.DATA_LOSS,
     Reason.ROUND: grpc.StatusCode.OUT_OF_RANGE,
+    Reason.VERSION: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.STEP: grpc.StatusCode.OUT_OF_RANGE,
     Reason.TOPOLOGY: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.SENDER: grpc.StatusCode.PERMISSION_DENIED,

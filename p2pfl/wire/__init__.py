@@ -12,9 +12,11 @@ from p2pfl.wire.codec import (
     encode,
     encode_frames,
     parse_frame,
+    scalars_crc,
 )
 from p2pfl.wire.validate import (
     DTYPE,
+    WIRE_VERSION,
     Expectation,
     Reason,
     WireError,
@@ -32,6 +34,7 @@ __all__ = [
     "Expectation",
     "RawData",
     "Reason",
+    "WIRE_VERSION",
     "WireError",
     "all_finite",
     "check_finite",
@@ -42,4 +45,5 @@ __all__ = [
     "encode",
     "encode_frames",
     "parse_frame",
+    "scalars_crc",
 ]

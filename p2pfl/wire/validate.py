@@ -22,6 +22,7 @@ from p2pfl.proto import peer_pb2
 
 __all__ = [
     "DTYPE",
+    "WIRE_VERSION",
     "Expectation",
     "Reason",
     "WireError",
@@ -33,6 +34,10 @@ __all__ = [
 #: The only tensor dtype on the wire (the flat parameter buffers are float32).
 DTYPE = "float32"
 _ITEMSIZE = 4
+#: ``Header.wire_version`` this code writes and accepts. 2: the CRC-32 also covers the scalars.
+WIRE_VERSION = 2
+#: Longest excerpt of a peer-supplied string quoted in an error message.
+_SHOW = 64
 
 
 class Reason(StrEnum):
@@ -50,6 +55,7 @@ class Reason(StrEnum):
     TRUNCATED = "truncated"
     NON_FINITE = "non_finite"
     ROUND = "round"
+    VERSION = "version"
     STEP = "step"
     TOPOLOGY = "topology"
     SENDER = "sender"
@@ -96,6 +102,19 @@ def _fmt_ids(ids: Iterable[str]) -> str:
     return ", ".join(ids) if ids else "none"
 
 
+def _show(text: str) -> str:
+    """``repr`` of a peer-supplied string, cut to a bounded excerpt: error messages end up in logs."""
+    if len(text) <= _SHOW:
+        return repr(text)
+    return f"{text[:_SHOW]!r}... ({len(text)} chars)"
+
+
+def _show_keys(keys: Iterable[str], limit: int = 8) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(_show(k) for k in keys[:limit])
+    return f"[{shown}{f', ... ({len(keys)} keys)' if len(keys) > limit else ''}]"
+
+
 def _shape(shape: Iterable[int]) -> str:
     return "(" + ", ".join(str(int(d)) for d in shape) + ")"
 
@@ -103,19 +122,26 @@ def _shape(shape: Iterable[int]) -> str:
 def check_header(h: peer_pb2.Header, exp: Expectation) -> tuple[TensorSpec, ...]:
     """Check a payload header against ``exp``; return the manifest as TensorSpecs (offsets computed).
 
-    Order: topology, sender, round, step (a payload from another run or round says nothing else
-    worth reading), declared size (before anything is buffered), manifest, scalars, length.
+    Order: wire version, topology, sender, round, step (a payload from another run or round says
+    nothing else worth reading), declared size (before anything is buffered), manifest, scalars,
+    length. Peer-supplied strings are quoted as bounded excerpts.
     """
+    if h.wire_version != WIRE_VERSION:
+        raise WireError(
+            Reason.VERSION,
+            f"payload has wire version {h.wire_version}, this peer reads version {WIRE_VERSION} "
+            "(the peers run different p2pfl versions)",
+        )
     if h.topology_hash != exp.topology_hash:
         raise WireError(
             Reason.TOPOLOGY,
-            f"topology hash {h.topology_hash!r} differs from this peer's {exp.topology_hash!r} "
+            f"topology hash {_show(h.topology_hash)} differs from this peer's {exp.topology_hash!r} "
             "(the peers run different topology files)",
         )
     if h.sender not in exp.senders:
         raise WireError(
             Reason.SENDER,
-            f"sender {h.sender!r} is not an allowed in-neighbour at round {exp.round} step {exp.step} "
+            f"sender {_show(h.sender)} is not an allowed in-neighbour at round {exp.round} step {exp.step} "
             f"(allowed: {_fmt_ids(exp.senders)})",
         )
     if h.round != exp.round:
@@ -134,17 +160,18 @@ def check_header(h: peer_pb2.Header, exp: Expectation) -> tuple[TensorSpec, ...]
     for i, (e, want) in enumerate(zip(entries, exp.specs, strict=False)):
         if e.name != want.name:
             raise WireError(
-                Reason.MANIFEST, f"manifest entry {i} is tensor {e.name!r}, expected {want.name!r}"
+                Reason.MANIFEST, f"manifest entry {i} is tensor {_show(e.name)}, expected {want.name!r}"
             )
         if e.dtype != DTYPE:
             raise WireError(
-                Reason.DTYPE, f"tensor {e.name!r} has dtype {e.dtype!r}; only {DTYPE} is accepted"
+                Reason.DTYPE, f"tensor {e.name!r} has dtype {_show(e.dtype)}; only {DTYPE} is accepted"
             )
         shape = tuple(int(d) for d in e.shape)
         if shape != tuple(want.shape):
+            got = _shape(shape) if len(shape) <= 8 else f"of {len(shape)} dimensions"
             raise WireError(
                 Reason.MANIFEST,
-                f"tensor {e.name!r} has shape {_shape(shape)}, expected {_shape(want.shape)}",
+                f"tensor {e.name!r} has shape {got}, expected {_shape(want.shape)}",
             )
         numel = math.prod(shape)
         specs.append(TensorSpec(e.name, shape, offset, numel))
@@ -153,7 +180,7 @@ def check_header(h: peer_pb2.Header, exp: Expectation) -> tuple[TensorSpec, ...]
         raise WireError(
             Reason.MANIFEST,
             f"manifest has {len(entries)} tensors, expected {len(exp.specs)}: "
-            f"unexpected tensor {entries[len(exp.specs)].name!r}",
+            f"unexpected tensor {_show(entries[len(exp.specs)].name)}",
         )
     if len(entries) < len(exp.specs):
         raise WireError(
@@ -165,7 +192,7 @@ def check_header(h: peer_pb2.Header, exp: Expectation) -> tuple[TensorSpec, ...]
     keys = set(h.scalars)
     extra, missing = keys - exp.scalar_keys, exp.scalar_keys - keys
     if extra:
-        raise WireError(Reason.SCALARS, f"unexpected scalar keys {sorted(extra)} (expected {sorted(exp.scalar_keys)})")
+        raise WireError(Reason.SCALARS, f"unexpected scalar keys {_show_keys(extra)} (expected {sorted(exp.scalar_keys)})")
     if missing:
         raise WireError(Reason.SCALARS, f"missing scalar keys {sorted(missing)}")
     for k in sorted(keys):
