@@ -43,6 +43,8 @@ def default_run_dir(name: str, algorithm: str) -> Path:
 def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help="override rounds")] = None,
              out: Annotated[Path | None, typer.Option(help="run folder")] = None, set: SetOpt = None,
              quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")] = False,
+             resume: Annotated[bool, typer.Option("--resume", help="continue an interrupted run in --out from "
+                                                  "the last round every peer checkpointed")] = False,
              verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
     """Run every peer of CONFIG in one process (in-memory transport) and write a run folder."""
     _setup_logging(verbose)
@@ -51,7 +53,7 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
 
     run_dir = out or default_run_dir(cfg.name, cfg.algorithm_name)
     try:
-        summary = run_sim(cfg, run_dir, progress=not quiet)
+        summary = run_sim(cfg, run_dir, progress=not quiet, resume=resume)
     except (ValueError, RuntimeError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -127,7 +129,7 @@ def health(address: Annotated[str, typer.Argument(help="host:port of a peer")],
            target: Annotated[str | None, typer.Option(help="the checked peer's id (default: --peer)")] = None,
            insecure: Annotated[bool, typer.Option("--insecure")] = False) -> None:
     """Exit 0 if the peer at ADDRESS reports SERVING on the gRPC health service."""
-    from p2pfl.standalone import check_health
+    from p2pfl.health import check_health
 
     try:
         ok = check_health(address, certs=certs, peer=peer, target=target, insecure=insecure)
@@ -175,8 +177,11 @@ def _mount(argv: list[str] | None = None) -> None:
     if not any(g.name == "topology" for g in app.registered_groups):
         app.add_typer(topology_app, name="topology", help="generate, check and draw topology files")
     args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    # typer leaves CommandInfo.name unset for @app.command(); the command is then the function's name
+    have = {c.name or (c.callback.__name__.replace("_", "-") if c.callback else None) for c in app.registered_commands}
+    if args and (args[0] in have or args[0] == "topology"):
+        return  # an eager command (e.g. simulate) needs none of the lazy ones: no flwr, no grpc
     wanted = [args[0]] if args and args[0] in LAZY_COMMANDS else list(LAZY_COMMANDS)
-    have = {c.name for c in app.registered_commands}
     for name in wanted:
         if name not in have:
             module, func = LAZY_COMMANDS[name]

@@ -27,14 +27,20 @@ HEADER_BYTES = 64  # a fixed estimate of the per-message header, for byte accoun
 
 
 class MemoryHub:
-    """The board all in-memory transports of one simulation share."""
+    """The board all in-memory transports of one simulation share.
+
+    A reader waiting for keys registers an event under each missing key; storing a message wakes
+    the readers of that key only. (One condition notified on every store woke all of a worker's
+    peer threads for each message, and each went back to sleep: a herd of futile wake-ups.)
+    """
 
     def __init__(self, local_peers: set[str] | None = None,
                  forward: Callable[[Message, list[str]], None] | None = None) -> None:
         self.local_peers = local_peers  # None: every peer is local (one process)
         self.forward = forward
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._board: dict[tuple[str, int, int], tuple[Message, int]] = {}
+        self._waiters: dict[tuple[str, int, int], list[threading.Event]] = {}
         self._aborted: str | None = None
 
     def publish(self, message: Message, readers: list[str]) -> None:
@@ -50,40 +56,72 @@ class MemoryHub:
         """Store ``message`` for ``count`` local reads."""
         if count <= 0:
             return
-        with self._cond:
-            self._board[(message.sender, message.round, message.step)] = (message, count)
-            self._cond.notify_all()
+        key = (message.sender, message.round, message.step)
+        with self._lock:
+            self._board[key] = (message, count)
+            waiters = self._waiters.pop(key, ())
+        for ev in waiters:
+            ev.set()
 
     def take(self, keys: list[tuple[str, int, int]], deadline: float) -> dict[str, Message]:
         """Wait for ``keys`` until ``deadline`` (monotonic); return those present."""
         out: dict[str, Message] = {}
-        with self._cond:
-            while True:
+        ev: threading.Event | None = None
+        while True:
+            with self._lock:
                 if self._aborted:
                     raise TransportError(f"simulation aborted: {self._aborted}")
+                missing = []
                 for key in keys:
-                    if key[0] not in out and key in self._board:
+                    if key[0] in out:
+                        continue
+                    if key in self._board:
                         msg, left = self._board[key]
                         out[key[0]] = msg
                         if left <= 1:
                             del self._board[key]
                         else:
                             self._board[key] = (msg, left - 1)
-                if len(out) == len(keys):
+                    else:
+                        missing.append(key)
+                if not missing:
                     return out
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    self._forget(ev, missing)
                     return out
-                self._cond.wait(timeout=min(remaining, 1.0))
+                if ev is None:
+                    ev = threading.Event()
+                else:
+                    ev.clear()
+                for key in missing:
+                    lst = self._waiters.setdefault(key, [])
+                    if ev not in lst:
+                        lst.append(ev)
+            ev.wait(timeout=min(remaining, 1.0))
+
+    def _forget(self, ev: threading.Event | None, keys: list[tuple[str, int, int]]) -> None:
+        """Unregister ``ev`` from ``keys`` (a reader that gave up); call with the lock held."""
+        if ev is None:
+            return
+        for key in keys:
+            lst = self._waiters.get(key)
+            if lst and ev in lst:
+                lst.remove(ev)
+                if not lst:
+                    del self._waiters[key]
 
     def abort(self, reason: str) -> None:
         """Wake every waiter with an error (a peer thread failed)."""
-        with self._cond:
+        with self._lock:
             self._aborted = reason
-            self._cond.notify_all()
+            waiters = [ev for lst in self._waiters.values() for ev in lst]
+            self._waiters.clear()
+        for ev in waiters:
+            ev.set()
 
     def __len__(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._board)
 
 

@@ -1,0 +1,157 @@
+"""Simulation at the CPU limit: the model pool and the in-memory board wake only whom they serve,
+and `p2pfl simulate` imports neither Flower nor gRPC."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from p2pfl.messages import Message
+from p2pfl.modelpool import ModelPool
+from p2pfl.transport import memory
+from p2pfl.transport.memory import MemoryHub
+
+
+def _wait_until(cond, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+
+
+@pytest.mark.timeout(60)
+def test_model_pool_serves_waiters_by_priority_one_at_a_time() -> None:
+    pool = ModelPool(lambda: nn.Linear(2, 2), 1)
+    served: list[tuple] = []
+    inside = threading.Semaphore(0)  # counts borrowers holding the model
+    go = threading.Event()
+
+    def borrower(prio: tuple) -> None:
+        with pool.borrow(prio) as m:
+            served.append(prio)
+            inside.release()
+            assert isinstance(m, nn.Linear)
+            go.wait(10)
+
+    holder = threading.Thread(target=borrower, args=((-1,),))
+    holder.start()
+    assert inside.acquire(timeout=10)
+    prios = [(r, phase, i) for r in (1, 0) for phase in (1, 0) for i in (3, 0, 2)]
+    threads = [threading.Thread(target=borrower, args=(p,)) for p in prios]
+    for t in threads:
+        t.start()
+    _wait_until(lambda: len(pool._waiting) == len(prios))
+    go.set()  # from now on each borrower returns at once: the pool hands the model down the queue
+    for t in [holder, *threads]:
+        t.join(10)
+    assert served == [(-1,), *sorted(prios)]
+    assert pool._free and not pool._waiting  # the model came back; nobody left waiting
+
+
+@pytest.mark.timeout(60)
+def test_model_pool_size_caps_concurrency_and_clears_grads() -> None:
+    pool = ModelPool(lambda: nn.Linear(2, 2), 2)
+    now = peak = 0
+    lock = threading.Lock()
+
+    def work(i: int) -> None:
+        nonlocal now, peak
+        with pool.borrow((i,)) as m:
+            with lock:
+                now += 1
+                peak = max(peak, now)
+            m(torch.ones(1, 2)).sum().backward()
+            time.sleep(0.01)
+            with lock:
+                now -= 1
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert peak == 2 and len(pool._free) == 2
+    assert all(p.grad is None for m in pool._free for p in m.parameters())
+
+
+class _CountingEvent(threading.Event):
+    sets = 0
+
+    def set(self) -> None:
+        type(self).sets += 1
+        super().set()
+
+
+@pytest.mark.timeout(60)
+def test_memory_hub_wakes_only_the_readers_of_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory.threading, "Event", _CountingEvent)
+    _CountingEvent.sets = 0
+    hub = MemoryHub()
+    n = 24
+    got: dict[int, dict[str, Message]] = {}
+
+    def reader(i: int) -> None:  # reader i waits for sender s{i} and s{i+1}
+        keys = [(f"s{i}", 0, 0), (f"s{(i + 1) % n}", 0, 0)]
+        got[i] = hub.take(keys, time.monotonic() + 30)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    _wait_until(lambda: len(hub._waiters) == n)
+    _CountingEvent.sets = 0  # (starting the threads set their own events)
+    for i in range(n):
+        hub.put(Message(f"s{i}", 0, 0, "h", (), torch.full((3,), float(i)), {}), 2)
+    for t in threads:
+        t.join(10)
+    assert all(sorted(got[i]) == sorted({f"s{i}", f"s{(i + 1) % n}"}) for i in range(n))
+    assert float(got[5]["s6"].flat[0]) == 6.0
+    # each message wakes its two readers: 2n wake-ups, not one per waiting thread per message (n^2)
+    assert _CountingEvent.sets == 2 * n
+    assert len(hub) == 0 and not hub._waiters
+
+
+@pytest.mark.timeout(60)
+def test_memory_hub_timeout_unregisters_and_abort_wakes() -> None:
+    hub = MemoryHub()
+    assert hub.take([("x", 0, 0)], time.monotonic() + 0.05) == {}
+    assert not hub._waiters  # a reader that gave up leaves nothing behind
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            hub.take([("y", 0, 0)], time.monotonic() + 60)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    _wait_until(lambda: bool(hub._waiters))
+    hub.abort("peer p3 failed")
+    t.join(10)
+    assert not t.is_alive() and errors and "peer p3 failed" in str(errors[0])
+
+
+@pytest.mark.timeout(120)
+def test_simulate_command_imports_neither_flower_nor_grpc() -> None:
+    code = (
+        "import sys\n"
+        "sys.argv = ['p2pfl', 'simulate', '--help']\n"
+        "from p2pfl import cli\n"
+        "try:\n"
+        "    cli.main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "import p2pfl.simulation\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'flwr', 'grpc', 'matplotlib', 'ray'})\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout, out.stdout[-2000:]
