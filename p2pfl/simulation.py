@@ -27,6 +27,7 @@ from p2pfl.config import ExperimentConfig
 from p2pfl.experiment import Experiment
 from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
+from p2pfl.resume import drop_generations, keep_generation, prepare_resume
 from p2pfl.runfolder import MetricsWriter, plot_accuracy, sort_metrics, summarize, write_inputs, write_summary
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
 
@@ -41,40 +42,46 @@ class SimulationError(RuntimeError):
 
 
 def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = True,
-             experiment: Experiment | None = None) -> dict[str, Any]:
-    """Run the experiment; write the run folder; return the summary."""
+             experiment: Experiment | None = None, resume: bool = False) -> dict[str, Any]:
+    """Run the experiment; write the run folder; return the summary.
+
+    ``resume``: continue an interrupted run in ``out_dir`` from the last round that *every* peer
+    checkpointed (see :func:`p2pfl.resume.prepare_resume`); from round 0 when there is none.
+    """
     torch.set_num_threads(1)  # before any torch work, so a forked worker inherits no thread pool
     run_dir = Path(out_dir)
     exp = experiment or Experiment.from_config(cfg)
     topo = exp.topology
+    ids = list(topo.ids)
+    start = prepare_resume(run_dir, ids, before=cfg.rounds) if resume else 0
     write_inputs(run_dir, cfg.raw, topo.to_dict(), exp.partition)
     exp.layout  # noqa: B018 - build the initial model before forking
-    ids = list(topo.ids)
     workers = max(1, min(cfg.workers, len(ids)))
     if exp.device.type == "cuda":
         workers = 1  # CUDA does not survive fork; one process drives the GPU
     assign = {pid: i % workers for i, pid in enumerate(ids)}
     groups = [[p for p in ids if assign[p] == w] for w in range(workers)]
 
-    writer = MetricsWriter(run_dir / "metrics.jsonl")
+    writer = MetricsWriter(run_dir / "metrics.jsonl", truncate=start == 0)
     t0 = time.perf_counter()
     procs: list[Any] = []
     if workers == 1:
         events: Any = queue.Queue()
         inboxes: list[Any] = [queue.Queue()]
-        th = threading.Thread(target=_worker, args=(0, exp, groups[0], assign, inboxes, events, run_dir), daemon=True)
+        th = threading.Thread(target=_worker, args=(0, exp, groups[0], assign, inboxes, events, run_dir, start > 0),
+                              daemon=True)
         th.start()
     else:
         ctx = mp.get_context("fork")
         events = ctx.Queue()
         inboxes = [ctx.Queue() for _ in range(workers)]
         for w in range(workers):
-            p = ctx.Process(target=_worker, args=(w, exp, groups[w], assign, inboxes, events, run_dir),
+            p = ctx.Process(target=_worker, args=(w, exp, groups[w], assign, inboxes, events, run_dir, start > 0),
                             name=f"p2pfl-sim-{w}", daemon=True)
             p.start()
             procs.append(p)
     try:
-        _collect(events, writer, len(ids) * cfg.rounds, workers, procs, progress)
+        _collect(events, writer, len(ids) * (cfg.rounds - start), workers, procs, progress)
     finally:
         for box in inboxes:
             box.put(None)
@@ -87,8 +94,10 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
     recs = sort_metrics(run_dir / "metrics.jsonl", ids)
     summary = summarize(recs, {
         "name": cfg.name, "algorithm": cfg.algorithm_name, "seed": cfg.seed, "mode": "simulate",
-        "wall_seconds": wall, "wall_seconds_per_round": wall / cfg.rounds, "workers": workers,
+        "wall_seconds": wall, "wall_seconds_per_round": wall / max(1, cfg.rounds - start), "workers": workers,
+        "resumed_from_round": start,
     })
+    drop_generations(run_dir)
     write_summary(run_dir, summary)
     plot_accuracy(recs, run_dir / "accuracy.png", f"{cfg.name}: {cfg.algorithm_name}")
     return summary
@@ -128,7 +137,7 @@ def _collect(events: Any, writer: MetricsWriter, total: int, workers: int, procs
 
 
 def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], inboxes: list, events: Any,
-            run_dir: Path) -> None:
+            run_dir: Path, resume: bool = False) -> None:
     """Run the Nodes of ``peers`` (threads), bridging messages to and from the other workers."""
     torch.set_num_threads(1)
 
@@ -161,6 +170,9 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
         try:
             node = exp.make_node(pid, transport=MemoryTransport(hub, pid), models=models, record=record,
                                  run_dir=run_dir)
+            node.on_round = keep_generation(node, exp.cfg.checkpoint_every)
+            if resume:
+                node.resume()
             node.deadline_s = SIM_DEADLINE_S
             node.run()
         except BaseException as exc:  # noqa: BLE001 - any failure stops the whole simulation

@@ -16,9 +16,10 @@ Every cell (base + ``set`` + its case + its grid values) is validated before any
 typo in the last cell does not surface hours into the sweep. Each cell runs as its own
 ``p2pfl simulate`` subprocess (a crash in one cell cannot take the others down, and its output
 lands in ``<cell>/log.txt``). The sweep is resumable: a cell whose ``summary.json`` exists and
-whose saved config matches the planned one is done; anything else in its folder is an
-interrupted or failed attempt and is deleted and rerun from scratch, so no cell ever mixes two
-attempts. ``sweep.json`` in the sweep folder lists every cell, its overrides and its status.
+whose saved config matches the planned one is done; an interrupted cell with the planned config
+and checkpoints continues from the last round every peer checkpointed (``p2pfl simulate
+--resume``, see ``p2pfl/resume.py``); anything else in its folder (a failed or stale attempt) is
+deleted and rerun from scratch, so no cell ever mixes two configs. ``sweep.json`` in the sweep folder lists every cell, its overrides and its status.
 """
 
 from __future__ import annotations
@@ -435,10 +436,21 @@ def default_out(spec: SweepSpec) -> Path:
     return Path("runs") / "sweeps" / _slug(spec.name)
 
 
-def simulate_command(cell_dir: Path) -> list[str]:
+def simulate_command(cell_dir: Path, resume: bool = False) -> list[str]:
     """How one cell runs: the ordinary CLI in a fresh interpreter (isolated, logged, killable)."""
     return [sys.executable, "-m", "p2pfl.cli", "simulate", "--config", str(cell_dir / "config.yaml"),
-            "--out", str(cell_dir), "--quiet"]
+            "--out", str(cell_dir), "--quiet"] + (["--resume"] if resume else [])
+
+
+def can_resume(cell_dir: Path, config: dict[str, Any]) -> bool:
+    """An interrupted cell continues from its checkpoints when its saved config is the planned one."""
+    from p2pfl.resume import resumable
+
+    try:
+        saved = _normalize(yaml.safe_load((cell_dir / "config.yaml").read_text()))
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(saved, dict) and _comparable(saved) == _comparable(config) and resumable(cell_dir)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -550,17 +562,20 @@ def _progress(enabled: bool, total: int, done: int) -> tuple[Any, Any]:
 
 def _start(out: Path, res: CellResult) -> _Running:
     cell_dir = out / res.cell.name
-    if cell_dir.exists():  # an interrupted, failed or stale attempt: start clean
+    resume = res.found == "interrupted" and can_resume(cell_dir, res.cell.config)
+    if cell_dir.exists() and not resume:  # a failed or stale attempt, or one without checkpoints: start clean
         shutil.rmtree(cell_dir)
-    cell_dir.mkdir(parents=True)
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    (cell_dir / "error.txt").unlink(missing_ok=True)
     (cell_dir / "config.yaml").write_text(yaml.safe_dump(res.cell.config, sort_keys=False))
-    log = open(cell_dir / "log.txt", "wb")  # closed in _finish / _stop
-    log.write(("$ " + " ".join(simulate_command(cell_dir)) + "\n").encode())
+    command = simulate_command(cell_dir, resume=resume)
+    log = open(cell_dir / "log.txt", "ab" if resume else "wb")  # closed in _finish / _stop
+    log.write(("$ " + " ".join(command) + "\n").encode())
     log.flush()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # Own session: a Ctrl-C in the terminal reaches only the sweep, which then stops each cell
     # once (a second SIGINT during a cell's cleanup would leave its worker processes behind).
-    proc = subprocess.Popen(simulate_command(cell_dir), stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     res.status = "running"
     return _Running(res, proc, log, time.perf_counter())

@@ -31,7 +31,9 @@ class DePRL(Algorithm):
       update theta_i(k, tau) is what the next phase and round use.
     * ``rep_steps`` = 1: exactly one representation SGD step per round on a fresh minibatch, as in
       Algorithm 1 and the theory (§1.7 item 3). Remark 1 allows more; the knob exists only for that
-      generalization and defaults to the paper's one step.
+      generalization and defaults to the paper's one step. It is counted in ``rep_unit`` =
+      ``steps`` by default; ``rep_unit: epochs`` (with ``tau_unit: epochs``) is the FedRep-code
+      reading of the experiments, whose representation update count is unstated (§1.7 item 3).
 
     Other choices: head (tau) -> representation (1 step, gradient at the new head) -> gossip, each
     step on its own fresh minibatch (checklist 2); mixing with the topology's weights, self
@@ -45,14 +47,15 @@ class DePRL(Algorithm):
     shares = "shared"
     defaults: ClassVar[dict[str, Any]] = {
         "lr_head": 0.005, "lr_body": 0.01, "lr_decay": 0.96, "weight_decay": 1e-5, "momentum": 0.0,
-        "tau": 2, "tau_unit": "steps", "rep_steps": 1,
+        "tau": 2, "tau_unit": "steps", "rep_steps": 1, "rep_unit": "steps",
     }
 
     def validate(self) -> None:
         super().validate()
         check_unit(self.name, "tau_unit", self.hp["tau_unit"])
         check_amount(self.name, "tau", self.hp["tau"], self.hp["tau_unit"])
-        check_amount(self.name, "rep_steps", self.hp["rep_steps"], "steps")
+        check_unit(self.name, "rep_unit", self.hp["rep_unit"])
+        check_amount(self.name, "rep_steps", self.hp["rep_steps"], self.hp["rep_unit"])
         for key in ("momentum", "weight_decay"):
             if not float(self.hp[key]) >= 0:
                 raise HyperparameterError(f"{self.name}: {key} must be >= 0")
@@ -62,7 +65,8 @@ class DePRL(Algorithm):
     def phases(self, round: int) -> tuple[Phase, Phase]:
         common = {"momentum": float(self.hp["momentum"]), "weight_decay": float(self.hp["weight_decay"])}
         head = Phase(lr=self.lr("lr_head", round), amount=float(self.hp["tau"]), unit=self.hp["tau_unit"], **common)
-        body = Phase(lr=self.lr("lr_body", round), amount=int(self.hp["rep_steps"]), unit="steps", **common)
+        body = Phase(lr=self.lr("lr_body", round), amount=float(self.hp["rep_steps"]),
+                     unit=self.hp["rep_unit"], **common)
         return head, body
 
     def local_update(self, state: PeerState, ctx: TrainContext, round: int) -> dict[str, float]:

@@ -1,0 +1,118 @@
+"""Resuming an interrupted simulation from the last round that every peer checkpointed.
+
+A Node overwrites ``checkpoints/<peer>.npz`` every ``checkpoint.every`` rounds. The peers of one
+simulation are not in lock-step (a peer can finish round r while a peer two hops away still
+trains r - 1), so after a crash the latest files can hold different rounds, and peers cannot
+restart from different rounds (each waits for its neighbours' payload of its own round). So the
+simulation also keeps each checkpoint as a *generation* ``checkpoints/gen/<peer>.r<R>.npz`` (a
+hard link to the file the Node just wrote atomically: no copy), the last :data:`GENERATIONS` of
+them per peer. Resuming picks the highest R that every peer has, puts those files back as the
+peers' checkpoints and cuts ``metrics.jsonl`` to the rounds before R; the run then continues
+exactly as if it had not stopped (checkpoints hold parameters, algorithm state and the peer's
+RNG state). A finished run drops its generations and keeps the final checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+#: Checkpoint generations kept per peer (peers drift apart by far less than two checkpoint intervals).
+GENERATIONS = 3
+
+
+def _gen_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints" / "gen"
+
+
+def _parse(name: str) -> tuple[str, int] | None:
+    """``<peer>.r<R>.npz`` -> (peer, R)."""
+    peer, sep, r = name.removesuffix(".npz").rpartition(".r")
+    return (peer, int(r)) if name.endswith(".npz") and sep and r.isdigit() else None
+
+
+def _generations(gen: Path) -> dict[int, set[str]]:
+    """round -> the peers holding a generation of that round."""
+    out: dict[int, set[str]] = {}
+    for parsed in (_parse(f.name) for f in (gen.iterdir() if gen.is_dir() else ())):
+        if parsed is not None:
+            out.setdefault(parsed[1], set()).add(parsed[0])
+    return out
+
+
+def keep_generation(node: Any, every: int) -> Callable[[int], None] | None:
+    """A Node ``on_round`` hook that links each fresh checkpoint into ``checkpoints/gen/``.
+
+    Wraps the node's existing hook (kept, called after). The Node saves its checkpoint before it
+    calls ``on_round``, on the same rounds this hook recognizes.
+    """
+    ckpt: Path | None = node.checkpoint_path
+    previous = node.on_round
+    if ckpt is None or not every:
+        return previous
+
+    def on_round(r: int) -> None:
+        done = r + 1
+        if done % every == 0 or done == node.rounds:
+            gen = ckpt.parent / "gen"
+            gen.mkdir(parents=True, exist_ok=True)
+            target = gen / f"{node.peer_id}.r{done}.npz"
+            target.unlink(missing_ok=True)
+            os.link(ckpt, target)
+            mine = sorted((p[1], f) for f in gen.iterdir() if (p := _parse(f.name)) and p[0] == node.peer_id)
+            for _, old in mine[:-GENERATIONS]:
+                old.unlink(missing_ok=True)
+        if previous is not None:
+            previous(r)
+
+    return on_round
+
+
+def prepare_resume(run_dir: Path, peers: list[str], before: int | None = None) -> int:
+    """Restore the last round every peer checkpointed (below ``before``); return it (0: start over).
+
+    Puts each peer's generation of that round back as ``checkpoints/<peer>.npz`` and rewrites
+    ``metrics.jsonl`` without the rounds from it on (they will be recorded again). With no common
+    generation the old generations are removed and 0 is returned: the run starts from round 0.
+    """
+    run_dir = Path(run_dir)
+    gen = _gen_dir(run_dir)
+    common = [r for r, have in _generations(gen).items() if set(peers) <= have and (before is None or r < before)]
+    if not common:
+        shutil.rmtree(gen, ignore_errors=True)
+        return 0
+    start = max(common)
+    for pid in peers:
+        ckpt = run_dir / "checkpoints" / f"{pid}.npz"
+        tmp = ckpt.with_name(ckpt.name + ".resume")
+        tmp.unlink(missing_ok=True)
+        os.link(gen / f"{pid}.r{start}.npz", tmp)
+        os.replace(tmp, ckpt)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        keep = [line for line in metrics.read_text().splitlines()
+                if line.strip() and int(json.loads(line)["round"]) < start]
+        tmp = metrics.with_name(metrics.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(metrics)
+    return start
+
+
+def drop_generations(run_dir: Path) -> None:
+    """A finished run needs only its final checkpoints."""
+    shutil.rmtree(_gen_dir(run_dir), ignore_errors=True)
+
+
+def resumable(run_dir: Path, peers: list[str] | None = None) -> bool:
+    """Whether ``run_dir`` holds a checkpoint generation (of every peer in ``peers``, if given)."""
+    gens = _generations(_gen_dir(run_dir))
+    if peers is None:
+        return bool(gens)
+    return any(set(peers) <= have for have in gens.values())
+
+
+__all__ = ["GENERATIONS", "drop_generations", "keep_generation", "prepare_resume", "resumable"]

@@ -1,0 +1,87 @@
+"""Interrupted simulations and sweep cells continue from their last common checkpoint, not round 0."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+import p2pfl.simulation as sim
+from p2pfl.config import ExperimentConfig, load_config
+from p2pfl.resume import prepare_resume, resumable
+from p2pfl.sweep import load_sweep, run_sweep
+from tests.conftest import tiny_config
+
+PEERS = ["p0", "p1", "p2", "p3"]
+DEPRL = {"name": "deprl", "tau": 1, "tau_unit": "epochs", "rep_steps": 1, "rep_unit": "epochs", "lr_decay": 1.0}
+
+
+def _records(run: Path) -> list[tuple[int, str, float | None]]:
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["round"], r["peer"], r.get("acc")) for r in recs]
+
+
+def _killed_run(cfg: ExperimentConfig, run: Path, kept_round: int) -> None:
+    """A run folder as a kill leaves it: no summary; every peer has checkpointed ``kept_round``
+    but only p0 got further (the peers' latest checkpoints hold different rounds)."""
+    keep = sim.drop_generations
+    sim.drop_generations = lambda run_dir: None  # as if killed right after the last round
+    try:
+        sim.simulate(cfg, run, progress=False)
+    finally:
+        sim.drop_generations = keep
+    (run / "summary.json").unlink()
+    for f in (run / "checkpoints" / "gen").iterdir():
+        if int(f.name.removesuffix(".npz").rpartition(".r")[2]) > kept_round and not f.name.startswith("p0."):
+            f.unlink()
+
+
+@pytest.mark.timeout(180)
+def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
+    cfg = load_config(tiny_config(tmp_path, rounds=6, algorithm=DEPRL, checkpoint={"every": 2}))
+    full = tmp_path / "full"
+    sim.simulate(cfg, full, progress=False)
+    assert not (full / "checkpoints" / "gen").exists()  # a finished run keeps only its final checkpoints
+
+    cut = tmp_path / "cut"
+    _killed_run(cfg, cut, kept_round=4)
+    assert resumable(cut, PEERS)
+    summary = sim.simulate(cfg, cut, progress=False, resume=True)
+    assert summary["resumed_from_round"] == 4
+    assert _records(cut) == _records(full)  # rounds 0-3 kept, 4-5 recomputed bitwise
+    for pid in PEERS:
+        with np.load(full / "checkpoints" / f"{pid}.npz") as a, np.load(cut / "checkpoints" / f"{pid}.npz") as b:
+            assert np.array_equal(a["params"], b["params"])
+
+
+def test_prepare_resume_without_common_generation_starts_over(tmp_path: Path) -> None:
+    gen = tmp_path / "checkpoints" / "gen"
+    gen.mkdir(parents=True)
+    (gen / "p0.r2.npz").write_bytes(b"x")  # only one peer got there
+    assert not resumable(tmp_path, PEERS)
+    assert prepare_resume(tmp_path, PEERS) == 0
+    assert not gen.exists()
+
+
+@pytest.mark.timeout(240)
+def test_sweep_resumes_interrupted_cell_from_checkpoint(tmp_path: Path) -> None:
+    base = tiny_config(tmp_path, rounds=4, algorithm=DEPRL, checkpoint={"every": 2})
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(yaml.safe_dump({"name": "s", "base": str(base), "grid": {"seed": [3]}}))
+    spec = load_sweep(sweep)
+    out = tmp_path / "out"
+    run_sweep(spec, out, progress=False)
+    cell = out / "seed=3"
+    done = _records(cell)
+
+    _killed_run(load_config(cell / "config.yaml"), cell, kept_round=2)
+    (cell / "marker").write_text("kept")  # a resumed cell is continued, not deleted and recreated
+    res = run_sweep(spec, out, progress=False)
+    assert [c.status for c in res.cells] == ["done"]
+    assert (cell / "marker").exists()
+    assert "--resume" in (cell / "log.txt").read_text()
+    assert json.loads((cell / "summary.json").read_text())["resumed_from_round"] == 2
+    assert _records(cell) == done
