@@ -22,45 +22,12 @@ baselines do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from p2pfl.algorithms.base import HyperparameterError, TrainContext
-from p2pfl.algorithms.local_sgd import run_sgd
-from p2pfl.algorithms.sam import sam_step
+from p2pfl.algorithms.local_sgd import UNITS, Phase
 
-UNITS = ("steps", "epochs")
-
-
-@dataclass(frozen=True)
-class Phase:
-    """How one block trains in one round.
-
-    ``amount`` is counted in ``unit``: ``"steps"`` = that many fresh random minibatches,
-    ``"epochs"`` = that many shuffled passes over the peer's data (fractions allowed, see
-    ``local_sgd.batches``). ``sam_rho > 0`` makes every step a SAM step over this block.
-    """
-
-    lr: float
-    amount: float
-    unit: str = "epochs"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    sam_rho: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.unit not in UNITS:
-            raise HyperparameterError(f"unit must be one of {UNITS}, got {self.unit!r}")
-        if self.amount < 0:
-            raise HyperparameterError(f"local amount must be >= 0, got {self.amount}")
-        if self.unit == "steps" and float(self.amount) != int(self.amount):
-            raise HyperparameterError(f"a number of steps must be an integer, got {self.amount}")
-        if self.sam_rho < 0:
-            raise HyperparameterError(f"SAM rho must be >= 0, got {self.sam_rho}")
-
-    @property
-    def empty(self) -> bool:
-        return float(self.amount) == 0.0
+__all__ = ["UNITS", "Phase", "alternating_update", "check_alternating", "check_amount", "check_unit", "run_phase"]
 
 
 def check_unit(algo: str, key: str, value: Any) -> None:
@@ -94,27 +61,20 @@ def check_alternating(algo: str, hp: dict[str, Any], unit_key: str = "local_unit
         raise HyperparameterError(f"{algo}: lr_decay must be in (0, 1]")
 
 
-def run_phase(ctx: TrainContext, params: list, phase: Phase) -> float | None:
-    """Train ``params`` (all others frozen) for one phase; return its mean loss (None if skipped)."""
-    if phase.empty:
-        return None
-    amount = {"steps": int(phase.amount)} if phase.unit == "steps" else {"epochs": float(phase.amount)}
-    step_fn = sam_step(ctx.model, params, phase.sam_rho) if phase.sam_rho > 0 else None
-    return run_sgd(ctx, params, lr=phase.lr, momentum=phase.momentum, weight_decay=phase.weight_decay,
-                   step_fn=step_fn, **amount)
+def run_phase(ctx: TrainContext, block: str, phase: Phase) -> Any:
+    """Train ``block`` (all others frozen) for one phase; its mean loss (per peer when batched), None if empty."""
+    return ctx.train(block, phase)
 
 
-def alternating_update(ctx: TrainContext, head: Phase, body: Phase) -> dict[str, float]:
+def alternating_update(ctx: TrainContext, head: Phase, body: Phase) -> dict[str, Any]:
     """Head phase (body frozen), then body phase (new head frozen); returns the training losses.
 
     ``train_loss`` is the body phase's mean loss (the last model the round trained), or the head
-    phase's when the body phase is empty.
+    phase's when the body phase is empty. Works unchanged on the batched engine's context.
     """
-    head_params = ctx.layout.personal_params(ctx.model)
-    body_params = ctx.layout.shared_params(ctx.model)
-    head_loss = run_phase(ctx, head_params, head)
-    body_loss = run_phase(ctx, body_params, body)
-    out: dict[str, float] = {}
+    head_loss = run_phase(ctx, "personal", head)
+    body_loss = run_phase(ctx, "shared", body)
+    out: dict[str, Any] = {}
     if head_loss is not None:
         out["head_loss"] = head_loss
     if body_loss is not None:

@@ -10,18 +10,23 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from p2pfl.badinput import BadInput
 from p2pfl.data.loader import PeerData
 from p2pfl.messages import Message
 from p2pfl.models.layout import ParamLayout, TensorSpec
 from p2pfl.topology import MixingPlan
 
+if TYPE_CHECKING:
+    from p2pfl.algorithms.local_sgd import GradTerm, Phase
 
-class HyperparameterError(ValueError):
+
+class HyperparameterError(BadInput):
     """An algorithm was given an unknown or invalid hyperparameter."""
 
 
@@ -51,6 +56,33 @@ class TrainContext:
     generator: torch.Generator  # this peer's own randomness (minibatch order)
     device: torch.device
 
+    #: False here; True for the batched engine's context, whose tensors are ``[peers, ...]``.
+    batched: ClassVar[bool] = False
+
+    def train(self, block: str, phase: Phase, *, grad_term: GradTerm | None = None,
+              project: torch.Tensor | None = None) -> float | None:
+        """Train ``block`` (``all`` | ``shared`` | ``personal``; the rest frozen) for one phase.
+
+        Returns the phase's mean loss, or None for an empty phase. The batched engine's context
+        has the same method over stacked peers; algorithms call only this, never an engine.
+        """
+        from p2pfl.algorithms.local_sgd import train_exact
+
+        return train_exact(self, block, phase, grad_term=grad_term, project=project)
+
+    def gradients(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Loss gradient of the named parameters on one minibatch drawn from the peer's generator."""
+        from p2pfl.algorithms.local_sgd import trainable
+
+        named = dict(self.model.named_parameters())
+        targets = [named[n] for n in names]
+        x, y = self.data.train_batch(self.data.sample_positions(self.generator))
+        self.model.train()
+        with trainable(self.model, targets):
+            loss = F.cross_entropy(self.model(x), y)
+            grads = torch.autograd.grad(loss, targets)
+        return {n: g.detach() for n, g in zip(names, grads, strict=True)}
+
 
 class Algorithm(ABC):
     """Base class. Subclasses set ``name``, ``defaults`` and implement ``local_update``.
@@ -65,13 +97,10 @@ class Algorithm(ABC):
     defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, hp: dict[str, Any], layout: ParamLayout) -> None:
-        allowed = set(self.defaults) | {"preset"}
-        unknown = set(hp) - allowed
-        if unknown:
-            raise HyperparameterError(
-                f"{self.name}: unknown hyperparameters {sorted(unknown)} (allowed: {sorted(allowed - {'preset'})})"
-            )
-        self.hp: dict[str, Any] = {**self.defaults, **{k: v for k, v in hp.items() if k != "preset"}}
+        from p2pfl.algorithms.hyperparameters import typed_hyperparameters
+
+        # One typed schema per algorithm (types, ranges, unknown keys); validate() adds cross-field rules.
+        self.hp: dict[str, Any] = typed_hyperparameters(type(self), hp)
         self.layout = layout
         self.validate()
 
@@ -115,7 +144,7 @@ class Algorithm(ABC):
     def outgoing(self, state: PeerState, round: int, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         """The flat tensor and scalars to send for (round, step). Default: the shared prefix."""
         n = self.layout.num_shared if self.shares == "shared" else self.layout.numel
-        return state.params[:n], {}
+        return state.params[..., :n], {}
 
     def combine(self, state: PeerState, round: int, step: int, own: Message,
                 received: dict[str, Message], plan: MixingPlan) -> None:
@@ -124,6 +153,16 @@ class Algorithm(ABC):
 
         n = own.flat.numel()
         mix_into(state.params[:n], own.flat, plan, received, renormalize=self.mode == "pull")
+
+
+    def combine_stacked(self, state: PeerState, round: int, step: int, own: torch.Tensor,
+                        scalars: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
+        """``combine`` for a stack of peers (batched engine): ``own`` is ``[peers, m]``, the stacked
+        ``outgoing``; ``weights`` the raw plan weights ``[peers, peers]`` (see ``mixing.mix_rows``).
+        """
+        from p2pfl.algorithms.mixing import mix_rows
+
+        state.params[:, : own.shape[1]] = mix_rows(weights, own, renormalize=self.mode == "pull")
 
 
 def finite_or_raise(value: float, what: str) -> float:

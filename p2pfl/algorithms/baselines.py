@@ -2,7 +2,7 @@
 
 All of them train the *whole* model and, except Local, gossip the whole model once per round
 (``shares = "all"``). They are the decentralized baselines of spec 002 (DFedADMM, section 3) and
-spec 003 (DFedSAM, section 2); DFedSAM and DFedADMM build on the same loop (``run_sgd``).
+spec 003 (DFedSAM, section 2); DFedSAM and DFedADMM build on the same loop (``ctx.train``).
 
 Class defaults are the repository's quick-run defaults (1 local epoch, no lr decay) so that
 the algorithms compare like for like out of the box; the papers' protocols are the ``PRESETS``
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
-from p2pfl.algorithms.local_sgd import run_sgd
+from p2pfl.algorithms.local_sgd import Phase
 
 
 class Local(Algorithm):
@@ -29,8 +29,9 @@ class Local(Algorithm):
         return 0
 
     def local_update(self, state: PeerState, ctx: TrainContext, round: int) -> dict[str, float]:
-        loss = run_sgd(ctx, list(ctx.model.parameters()), lr=self.lr("lr", round), epochs=self.hp["local_epochs"],
-                       momentum=self.hp["momentum"], weight_decay=self.hp["weight_decay"])
+        loss = ctx.train("all", Phase(lr=self.lr("lr", round), amount=float(self.hp["local_epochs"]),
+                                      momentum=float(self.hp["momentum"]),
+                                      weight_decay=float(self.hp["weight_decay"])))
         return {"train_loss": loss}
 
 
@@ -50,8 +51,8 @@ class DFedAvgM(DFedAvg):
     * The momentum buffer restarts every round: Sun et al.'s form
       ``y^{k+1} = y^k - eta g^k + theta (y^k - y^{k-1})`` with ``y^{-1} = y^0`` (spec 003 section 2,
       the ``y^{t,-1}`` leftover of DFedSAM's Algorithm 1), and the Dis-PFL-lineage code builds a new
-      optimizer per round (spec 002 section 3, "Unstated"). ``run_sgd`` creates its optimizer per
-      call, so the buffer is local to the round and is never sent or checkpointed. Torch's
+      optimizer per round (spec 002 section 3, "Unstated"). ``ctx.train`` starts its momentum buffer
+      per call, so the buffer is local to the round and is never sent or checkpointed. Torch's
       ``v <- mu v + g; y <- y - eta v`` equals that form exactly when eta is constant within a
       round, which it is (the lr decays per round).
     * Weight decay 5e-4 (all baselines of both papers) enters the gradient before momentum, as in
@@ -100,9 +101,9 @@ class DPSGD(Algorithm):
 
     def local_update(self, state: PeerState, ctx: TrainContext, round: int) -> dict[str, float]:
         steps = int(self.hp["local_steps"])
-        work: dict[str, Any] = {"steps": steps} if steps > 0 else {"epochs": self.hp["local_epochs"]}
-        loss = run_sgd(ctx, list(ctx.model.parameters()), lr=self.lr("lr", round),
-                       weight_decay=self.hp["weight_decay"], **work)
+        work: dict[str, Any] = ({"amount": steps, "unit": "steps"} if steps > 0
+                                else {"amount": float(self.hp["local_epochs"]), "unit": "epochs"})
+        loss = ctx.train("all", Phase(lr=self.lr("lr", round), weight_decay=float(self.hp["weight_decay"]), **work))
         return {"train_loss": loss}
 
 

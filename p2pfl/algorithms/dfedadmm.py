@@ -18,8 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
-from p2pfl.algorithms.local_sgd import StepFn, loss_step, run_sgd
-from p2pfl.algorithms.sam import sam_step
+from p2pfl.algorithms.local_sgd import Phase
 
 #: How the configured ``lam`` maps to the equations' lambda (spec 002 section 2.6).
 LAMBDA_SEMANTICS = ("prox_coef", "equation")
@@ -110,32 +109,23 @@ class DFedADMM(Algorithm):
         state.extra["dual"] = torch.zeros_like(state.params)
 
     # -- the round ---------------------------------------------------------------------------
-    def loss_grad(self, ctx: TrainContext, params: list[torch.nn.Parameter]) -> StepFn:
-        """The data-loss gradient into ``p.grad`` (plain; the SAM variant overrides this)."""
-        return loss_step(ctx.model)
+    def sam_rho(self) -> float:
+        """SAM radius of the loss gradient (none for plain DFedADMM)."""
+        return 0.0
 
-    def local_update(self, state: PeerState, ctx: TrainContext, round: int) -> dict[str, float]:
+    def local_update(self, state: PeerState, ctx: TrainContext, round: int) -> dict[str, Any]:
+        # Written over ``state.params`` with broadcasting only: one peer ``[n]`` or a stack ``[peers, n]``.
         lam = self.lam
         dual = state.extra["dual"]
         anchor = state.params.detach().clone()  # x_i^t, frozen for the round
-        named = list(ctx.model.named_parameters())
-        params = [p for _, p in named]
         anchors, duals = ctx.layout.views(anchor), ctx.layout.views(dual)
-        terms = [(p, anchors[n], duals[n]) for n, p in named]
-        loss_grad = self.loss_grad(ctx, params)
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = loss_grad(x, y)
-            with torch.no_grad():  # + (x - x_i^t)/lambda - g_hat^{t-1}, at the unperturbed x
-                for p, a, d in terms:
-                    extra = (p - a).div_(lam).sub_(d)
-                    if p.grad is None:
-                        p.grad = extra
-                    else:
-                        p.grad.add_(extra)
-            return loss
+        def prox_dual(name: str, p: torch.Tensor) -> torch.Tensor:
+            # + (x - x_i^t)/lambda - g_hat^{t-1}, at the unperturbed x
+            return (p - anchors[name]).div_(lam).sub_(duals[name])
 
-        loss = run_sgd(ctx, params, lr=self.lr("lr", round), epochs=self.hp["local_epochs"], step_fn=step)
+        loss = ctx.train("all", Phase(lr=self.lr("lr", round), amount=float(self.hp["local_epochs"]),
+                                      sam_rho=self.sam_rho()), grad_term=prox_dual)
         with torch.no_grad():
             new_dual = dual - (state.params - anchor) / lam  # g_hat^t
             # state.params <- z_i^t = x_K - lambda * (old or new dual); combine mixes it.
@@ -168,8 +158,8 @@ class DFedADMMSAM(DFedADMM):
         if not float(self.hp["rho"]) >= 0:
             raise HyperparameterError(f"{self.name}: rho must be >= 0")
 
-    def loss_grad(self, ctx: TrainContext, params: list[torch.nn.Parameter]) -> StepFn:
-        return sam_step(ctx.model, params, float(self.hp["rho"]))
+    def sam_rho(self) -> float:
+        return float(self.hp["rho"])
 
 
 # The paper's protocol (spec 002 section 4.5): local lr 0.1 x0.998 per round, K = 5 local epochs,

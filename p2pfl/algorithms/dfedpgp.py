@@ -14,7 +14,7 @@ import torch
 
 from p2pfl.algorithms.alternating import Phase, alternating_update, check_alternating
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
-from p2pfl.algorithms.mixing import mix_into, mix_scalar
+from p2pfl.algorithms.mixing import mix_into, mix_scalar, row_normalized
 from p2pfl.messages import Message
 from p2pfl.topology import MixingPlan
 
@@ -79,7 +79,7 @@ class DFedPGP(Algorithm):
     def init_state(self, state: PeerState, generator: torch.Generator) -> None:
         state.scalars[MU] = 1.0
 
-    def phases(self, round: int, mu: float) -> tuple[Phase, Phase]:
+    def phases(self, round: int, mu: float | torch.Tensor) -> tuple[Phase, Phase]:
         unit = self.hp["local_unit"]
         common = {"unit": unit, "momentum": float(self.hp["momentum"]), "weight_decay": float(self.hp["weight_decay"])}
         head = Phase(lr=self.lr("lr_head", round), amount=float(self.hp["head_local"]), **common)
@@ -88,7 +88,8 @@ class DFedPGP(Algorithm):
         return head, body
 
     def local_update(self, state: PeerState, ctx: TrainContext, round: int) -> dict[str, float]:
-        head, body = self.phases(round, float(state.scalars[MU]))
+        mu = state.scalars[MU]  # a float, or a [peers] float64 tensor in the batched engine
+        head, body = self.phases(round, mu if isinstance(mu, torch.Tensor) else float(mu))
         return alternating_update(ctx, head, body)
 
     def wire_scalars(self) -> tuple[str, ...]:
@@ -97,8 +98,11 @@ class DFedPGP(Algorithm):
 
     def outgoing(self, state: PeerState, round: int, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         """The numerator u = mu * z of the body, and mu (float64) as the message scalar ``mu``."""
-        mu = float(state.scalars[MU])
-        z = state.params[: self.layout.num_shared]
+        mu = state.scalars[MU]
+        z = state.params[..., : self.layout.num_shared]
+        if isinstance(mu, torch.Tensor):  # a stack of peers (batched engine)
+            return (z if bool((mu == 1.0).all()) else z * mu.unsqueeze(-1).to(z.dtype)), {MU: mu}
+        mu = float(mu)
         return (z if mu == 1.0 else z * mu), {MU: mu}
 
     def combine(self, state: PeerState, round: int, step: int, own: Message,
@@ -123,6 +127,25 @@ class DFedPGP(Algorithm):
             mu = 1.0  # a convex combination of ones: snap the last-ulp rounding away
         else:
             body.div_(mu)
+        state.scalars[MU] = mu
+
+
+    def combine_stacked(self, state: PeerState, round: int, step: int, own: torch.Tensor,
+                        scalars: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
+        """``combine`` for a stack of peers: numerators and mu mixed by one matrix product each."""
+        pull = self.mode == "pull"
+        w = row_normalized(weights) if pull else weights
+        mu = w.to(torch.float64) @ scalars[MU].to(torch.float64)
+        if not bool((torch.isfinite(mu) & (mu > 0)).all()):
+            raise FloatingPointError(f"{self.name}: push-sum weight became {mu.min().item()}")
+        body = w.to(own.dtype) @ own
+        if pull:
+            if float((mu - 1.0).abs().max()) > 1e-9:
+                raise FloatingPointError(f"{self.name}: pull-mode mu drifted to {mu}")
+            mu = torch.ones_like(mu)
+        else:
+            body = body / mu.unsqueeze(-1).to(body.dtype)
+        state.params[:, : own.shape[1]] = body
         state.scalars[MU] = mu
 
 

@@ -13,8 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
-from p2pfl.algorithms.local_sgd import run_sgd
-from p2pfl.algorithms.sam import sam_step
+from p2pfl.algorithms.local_sgd import Phase
 
 
 class DFedSAM(Algorithm):
@@ -56,10 +55,10 @@ class DFedSAM(Algorithm):
             raise HyperparameterError(f"{self.name}: weight_decay must be >= 0")
 
     def local_update(self, state: PeerState, ctx: TrainContext, round: int) -> dict[str, float]:
-        params = list(ctx.model.parameters())
-        loss = run_sgd(ctx, params, lr=self.lr("lr", round), epochs=self.hp["local_epochs"],
-                       weight_decay=self.hp["weight_decay"],
-                       step_fn=sam_step(ctx.model, params, float(self.hp["rho"])))
+        # rho = 0 is the plain step: bitwise DFedAvg's (tested).
+        loss = ctx.train("all", Phase(lr=self.lr("lr", round), amount=float(self.hp["local_epochs"]),
+                                      weight_decay=float(self.hp["weight_decay"]),
+                                      sam_rho=max(float(self.hp["rho"]), 0.0)))
         return {"train_loss": loss}
 
     def outgoing(self, state: PeerState, round: int, step: int) -> tuple[torch.Tensor, dict[str, float]]:

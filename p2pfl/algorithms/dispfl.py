@@ -78,10 +78,9 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
-from p2pfl.algorithms.local_sgd import StepFn, run_sgd, trainable
+from p2pfl.algorithms.local_sgd import Phase
 from p2pfl.algorithms.mixing import mix_weights
 from p2pfl.messages import Message
 from p2pfl.models.layout import ParamLayout, TensorSpec
@@ -258,60 +257,57 @@ class DisPFL(Algorithm):
             state.params.mul_(state.extra[MASK_KEY])
 
     # -- the round ---------------------------------------------------------------------------
-    def local_update(self, state: PeerState, ctx: TrainContext, round: int) -> dict[str, float]:
+    def local_update(self, state: PeerState, ctx: TrainContext, round: int) -> dict[str, Any]:
+        # Written over ``state.params`` with broadcasting: one peer ``[n]`` or a stack ``[peers, n]``.
         mask = state.extra[MASK_KEY]
-
-        def apply_mask() -> None:
-            with torch.no_grad():
-                state.params.mul_(mask)
-
-        apply_mask()
-        params = list(ctx.model.parameters())
-        loss = run_sgd(ctx, params, lr=self.lr("lr", round), epochs=self.hp["local_epochs"],
-                       momentum=float(self.hp["momentum"]), weight_decay=float(self.hp["weight_decay"]),
-                       step_fn=self._step_fn(ctx, params), after_step=apply_mask)
-        metrics = {"train_loss": loss}
+        with torch.no_grad():
+            state.params.mul_(mask)
+        # DisPFL's step: cross-entropy, gradient-norm clipping (``grad_clip``; 0 = none), SGD, mask.
+        loss = ctx.train("all", Phase(lr=self.lr("lr", round), amount=float(self.hp["local_epochs"]),
+                                      momentum=float(self.hp["momentum"]),
+                                      weight_decay=float(self.hp["weight_decay"]),
+                                      grad_clip=float(self.hp["grad_clip"])), project=mask)
+        metrics: dict[str, Any] = {"train_loss": loss}
         if self.hp["evolve_masks"]:
             metrics["prune_fraction"] = self.evolve_mask(state, ctx, round)
         return metrics
 
-    def _step_fn(self, ctx: TrainContext, params: list[torch.nn.Parameter]) -> StepFn | None:
-        """Cross-entropy step with DisPFL's gradient-norm clipping (``grad_clip``; 0 = none)."""
-        clip = float(self.hp["grad_clip"])
-        if clip <= 0:
-            return None
-        model = ctx.model
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, clip)
-            return loss
-
-        return step
-
     def evolve_mask(self, state: PeerState, ctx: TrainContext, round: int) -> float:
-        """Prune the smallest-magnitude active weights and regrow as many; return the fraction used."""
+        """Prune the smallest-magnitude active weights and regrow as many; return the fraction used.
+
+        Per peer (a batched context holds a stack: each peer's row is evolved with its own
+        gradients and generator, in the same order of draws as the exact engine).
+        """
         frac = prune_fraction(round, float(self.hp["anneal_factor"]), int(self.hp["anneal_rounds"]))
         if frac <= 0.0:
             return frac
-        score_grow: Callable[[TensorSpec, torch.Tensor], torch.Tensor]
-        if self.hp["regrow"] == "gradient":
-            grads = self._gradients(ctx)
+        grads = self._gradients(ctx) if self.hp["regrow"] == "gradient" else None
+        mask = state.extra[MASK_KEY]
+        if not getattr(ctx, "batched", False):
+            self._evolve_one(state.params, mask, grads, getattr(ctx, "generator", None), frac)
+            return frac
+        for i, gen in enumerate(ctx.generators):
+            row = None if grads is None else {k: g[i] for k, g in grads.items()}
+            self._evolve_one(state.params[i], mask[i], row, gen, frac)
+        return frac
 
+    def _evolve_one(self, params: torch.Tensor, mask: torch.Tensor, grads: dict[str, torch.Tensor] | None,
+                    generator: torch.Generator | None, frac: float) -> None:
+        """One peer's prune/regrow, in place on its flat ``params`` and ``mask``."""
+        score_grow: Callable[[TensorSpec, torch.Tensor], torch.Tensor]
+        if grads is not None:
             def score_grow(s: TensorSpec, candidates: torch.Tensor) -> torch.Tensor:
                 return torch.where(candidates, grads[s.name].reshape(-1).abs(), -math.inf)
         else:
             def score_grow(s: TensorSpec, candidates: torch.Tensor) -> torch.Tensor:
                 # Uniformly random among the candidates, from the peer's own generator.
-                rnd = torch.rand(s.numel, generator=ctx.generator).to(candidates.device)
+                rnd = torch.rand(s.numel, generator=generator).to(candidates.device)
                 return torch.where(candidates, rnd, -math.inf)
 
-        mask = state.extra[MASK_KEY]
         with torch.no_grad():
             for s in self.prunable:
                 m = mask[s.offset : s.offset + s.numel]
-                w = state.params[s.offset : s.offset + s.numel]
+                w = params[s.offset : s.offset + s.numel]
                 active = m > 0.5
                 n_active = int(active.sum())
                 if n_active == 0 or n_active == s.numel:
@@ -325,18 +321,10 @@ class DisPFL(Algorithm):
                 new |= smallest_k(-score_grow(s, ~new), k)
                 m.copy_(new.to(m.dtype))
                 w.mul_(m)
-        return frac
 
     def _gradients(self, ctx: TrainContext) -> dict[str, torch.Tensor]:
         """Loss gradient of the prunable tensors on one minibatch from the peer's own generator."""
-        named = dict(ctx.model.named_parameters())
-        targets = [named[s.name] for s in self.prunable]
-        x, y = ctx.data.sample_batch(ctx.generator)
-        ctx.model.train()
-        with trainable(ctx.model, targets):
-            loss = F.cross_entropy(ctx.model(x), y)
-            grads = torch.autograd.grad(loss, targets)
-        return {s.name: g.detach() for s, g in zip(self.prunable, grads, strict=True)}
+        return ctx.gradients([s.name for s in self.prunable])
 
     # -- the wire ----------------------------------------------------------------------------
     def wire_specs(self) -> tuple[TensorSpec, ...]:
@@ -345,14 +333,17 @@ class DisPFL(Algorithm):
 
     def outgoing(self, state: PeerState, round: int, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         mask = state.extra[MASK_KEY]
-        return torch.cat([state.params, mask[self.selector(mask.device)]]), {}
+        return torch.cat([state.params, mask[..., self.selector(mask.device)]], dim=-1), {}
 
     def holders(self, flat: torch.Tensor) -> torch.Tensor:
-        """A message's full-length 0/1 "holds this coordinate" vector (1 on dense tensors)."""
+        """A message's full-length 0/1 "holds this coordinate" vector (1 on dense tensors).
+
+        ``flat`` may be a stack ``[peers, m]`` (the batched engine): one row per peer.
+        """
         n = self.layout.numel
         sel = self.selector(flat.device)
-        full = torch.ones(n, dtype=flat.dtype, device=flat.device)
-        full.masked_scatter_(sel, (flat[n:] > 0.5).to(flat.dtype))
+        full = torch.ones(*flat.shape[:-1], n, dtype=flat.dtype, device=flat.device)
+        full[..., sel] = (flat[..., n:] > 0.5).to(flat.dtype)
         return full
 
     def combine(self, state: PeerState, round: int, step: int, own: Message,
@@ -381,3 +372,16 @@ class DisPFL(Algorithm):
         mixed = torch.where(held, num / torch.where(held, den, torch.ones_like(den)), state.params)
         with torch.no_grad():
             state.params.copy_(mixed * mask)
+
+    def combine_stacked(self, state: PeerState, round: int, step: int, own: torch.Tensor,
+                        scalars: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
+        """``combine`` for a stack of peers: holders-weighted sums as two matrix products."""
+        n = self.layout.numel
+        held_by = self.holders(own)  # [peers, n]
+        w = weights.to(own.dtype)  # raw plan weights: the per-coordinate renormalization subsumes any other
+        num = w @ (own[:, :n] * held_by)
+        den = w @ held_by
+        held = den > 0
+        mixed = torch.where(held, num / torch.where(held, den, torch.ones_like(den)), state.params)
+        with torch.no_grad():
+            state.params.copy_(mixed * state.extra[MASK_KEY])

@@ -1,42 +1,108 @@
-"""The one local-training loop every algorithm builds on.
+"""The one local-training loop every algorithm builds on (the ``exact`` engine: one peer at a time).
 
 Batches come only from the peer's own generator, so a peer's training is bitwise the same in
-any process or thread. Optimizers are created per call: momentum is local to a round (the
-Dis-PFL code's convention, which the papers follow).
+any process or thread. Momentum is local to a call (a round's phase): the Dis-PFL code's
+convention, which the papers follow. The arithmetic of a step (SGD, SAM, clipping) is in
+``rules``, shared with the batched engine; this module only drives it through a bound model.
+
+Algorithms describe their local work as ``Phase`` values and call ``ctx.train(block, phase)``;
+the context decides the engine (``TrainContext`` here, ``BatchedContext`` for stacks of peers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
-from p2pfl.algorithms.base import TrainContext
+from p2pfl.algorithms.base import HyperparameterError
+from p2pfl.algorithms.rules import Scalar, clip_grads, sgd_step_
 
-# A step function computes the loss on (x, y), calls backward, and returns the loss; the loop
-# then applies the optimizer. SAM and ADMM supply their own.
+if TYPE_CHECKING:
+    from p2pfl.algorithms.base import TrainContext
+    from p2pfl.data.loader import PeerData
+
+# A step function computes the loss on (x, y), leaves the gradients in ``p.grad``, and returns
+# the loss; the loop then applies the update rule. SAM supplies its own.
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# An extra gradient term per parameter, ``(name, current value) -> term`` (e.g. ADMM's dual and
+# prox terms); the value is one peer's tensor, or ``[peers, *shape]`` in the batched engine.
+GradTerm = Callable[[str, Tensor], Tensor]
+
+UNITS = ("steps", "epochs")
 
 
-def batches(ctx: TrainContext, *, epochs: float | None = None, steps: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``epochs`` full shuffled passes, or ``steps`` random minibatches (exactly one of them)."""
+@dataclass(frozen=True)
+class Phase:
+    """How one block of parameters trains in one round.
+
+    ``amount`` is counted in ``unit``: ``"steps"`` = that many fresh random minibatches,
+    ``"epochs"`` = that many shuffled passes over the peer's data (fractions allowed, see
+    ``batches``). ``sam_rho > 0`` makes every step a SAM step over this block; ``grad_clip > 0``
+    clips the block's gradient norm (after SAM, before weight decay and momentum). ``lr`` may be
+    a ``[peers]`` tensor in the batched engine.
+    """
+
+    lr: Scalar
+    amount: float
+    unit: str = "epochs"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    sam_rho: float = 0.0
+    grad_clip: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.unit not in UNITS:
+            raise HyperparameterError(f"unit must be one of {UNITS}, got {self.unit!r}")
+        if self.amount < 0:
+            raise HyperparameterError(f"local amount must be >= 0, got {self.amount}")
+        if self.unit == "steps" and float(self.amount) != int(self.amount):
+            raise HyperparameterError(f"a number of steps must be an integer, got {self.amount}")
+        if self.sam_rho < 0:
+            raise HyperparameterError(f"SAM rho must be >= 0, got {self.sam_rho}")
+
+    @property
+    def empty(self) -> bool:
+        return float(self.amount) == 0.0
+
+    def work(self) -> dict[str, float | int]:
+        """``batches`` keyword arguments for this phase's length."""
+        return {"steps": int(self.amount)} if self.unit == "steps" else {"epochs": float(self.amount)}
+
+
+def position_batches(data: PeerData, generator: torch.Generator, *, epochs: float | None = None,
+                     steps: int | None = None) -> Iterator[torch.Tensor]:
+    """Minibatch positions: ``epochs`` full shuffled passes, or ``steps`` random minibatches.
+
+    Fractional epochs end with ``round(frac * steps_per_epoch)`` (at least 1) random minibatches.
+    Every engine draws through this function, so a peer's batches are the same in all of them.
+    """
     if (epochs is None) == (steps is None):
         raise ValueError("give exactly one of epochs or steps")
     if steps is not None:
         for _ in range(int(steps)):
-            yield ctx.data.sample_batch(ctx.generator)
+            yield data.sample_positions(generator)
         return
     whole = int(epochs)
     for _ in range(whole):
-        yield from ctx.data.epoch(ctx.generator)
+        yield from data.epoch_positions(generator)
     frac = float(epochs) - whole
     if frac > 0:
-        n = max(1, round(frac * ctx.data.steps_per_epoch()))
+        n = max(1, round(frac * data.steps_per_epoch()))
         for _ in range(n):
-            yield ctx.data.sample_batch(ctx.generator)
+            yield data.sample_positions(generator)
+
+
+def batches(ctx: TrainContext, *, epochs: float | None = None, steps: int | None = None
+            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``epochs`` full shuffled passes, or ``steps`` random minibatches (exactly one of them)."""
+    for pos in position_batches(ctx.data, ctx.generator, epochs=epochs, steps=steps):
+        yield ctx.data.train_batch(pos)
 
 
 def loss_step(model: nn.Module) -> StepFn:
@@ -64,22 +130,104 @@ def trainable(model: nn.Module, params: Iterable[nn.Parameter]):
             p.requires_grad_(flag)
 
 
+class RuleSGD(torch.optim.Optimizer):
+    """``torch.optim.SGD``'s update, computed by the shared rule ``rules.sgd_step_``.
+
+    A real ``Optimizer`` so that the exact engine stays observable with torch's optimizer hooks;
+    the buffers are created on the first step, so momentum is local to one ``run_sgd`` call.
+    """
+
+    def __init__(self, params: list[nn.Parameter], *, lr: float, momentum: float = 0.0,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            bufs = [self.state[p].get("momentum_buffer") for p in params]
+            sgd_step_(params, [p.grad for p in params], bufs, lr=group["lr"], momentum=group["momentum"],
+                      weight_decay=group["weight_decay"])
+            for p, b in zip(params, bufs, strict=True):
+                if b is not None:
+                    self.state[p]["momentum_buffer"] = b
+
+
 def run_sgd(ctx: TrainContext, params: list[nn.Parameter], *, lr: float, epochs: float | None = None,
             steps: int | None = None, momentum: float = 0.0, weight_decay: float = 0.0,
-            step_fn: StepFn | None = None, after_step: Callable[[], None] | None = None) -> float:
-    """SGD over ``params`` only (others frozen); returns the mean training loss."""
+            step_fn: StepFn | None = None, after_step: Callable[[], None] | None = None,
+            grad_clip: float = 0.0, grad_term: GradTerm | None = None, names: list[str] | None = None) -> float:
+    """SGD over ``params`` only (others frozen); returns the mean training loss.
+
+    Per minibatch: ``step_fn`` leaves the loss gradient in ``p.grad``; then ``clip_grads``
+    (``grad_clip`` > 0), plus ``grad_term(name, p)`` (``names`` gives the names), then the shared
+    ``sgd_step_`` rule, then ``after_step``.
+    """
     model = ctx.model
-    opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     step_fn = step_fn or loss_step(model)
+    opt = RuleSGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     total, count = 0.0, 0
     model.train()
     with trainable(model, params):
         for x, y in batches(ctx, epochs=epochs, steps=steps):
             opt.zero_grad(set_to_none=True)
             loss = step_fn(x, y)
+            with torch.no_grad():
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                if grad_clip > 0:
+                    grads = clip_grads(grads, grad_clip)
+                if grad_term is not None:
+                    assert names is not None, "grad_term needs the parameter names"
+                    grads = [g.add(grad_term(n, p)) for n, p, g in zip(names, params, grads, strict=True)]
+                for p, g in zip(params, grads, strict=True):
+                    p.grad = g
             opt.step()
             if after_step is not None:
                 after_step()
             total += float(loss.detach())
             count += 1
     return total / max(count, 1)
+
+
+def block_names(ctx_layout, block: str) -> list[str]:
+    """Parameter names of a block: ``all`` (layout order), ``shared`` (body) or ``personal`` (head)."""
+    if block == "all":
+        return [s.name for s in ctx_layout.specs]
+    if block == "shared":
+        return list(ctx_layout.shared_names)
+    if block == "personal":
+        return list(ctx_layout.personal_names)
+    raise ValueError(f"unknown parameter block {block!r}")
+
+
+def train_exact(ctx: TrainContext, block: str, phase: Phase, *, grad_term: GradTerm | None = None,
+                project: Tensor | None = None) -> float | None:
+    """One phase for one peer through its bound model; None when the phase is empty.
+
+    ``project`` is a flat 0/1 vector (the layout's length) re-applied to the parameters after
+    every step (DisPFL's mask).
+    """
+    from p2pfl.algorithms.sam import sam_step
+
+    if phase.empty:
+        return None
+    names = block_names(ctx.layout, block)
+    named = dict(ctx.model.named_parameters())
+    params = [named[n] for n in names]
+    step_fn = sam_step(ctx.model, params, phase.sam_rho) if phase.sam_rho > 0 else None
+    after = None
+    if project is not None:
+        views = ctx.layout.views(project)
+        pairs = [(p, views[n]) for n, p in named.items()]
+
+        def after() -> None:
+            with torch.no_grad():
+                for p, m in pairs:
+                    p.mul_(m)
+
+    lr = phase.lr
+    if isinstance(lr, Tensor):
+        lr = float(lr)
+    return run_sgd(ctx, params, lr=lr, momentum=phase.momentum, weight_decay=phase.weight_decay,
+                   step_fn=step_fn, after_step=after, grad_clip=phase.grad_clip, grad_term=grad_term,
+                   names=names, **phase.work())

@@ -56,3 +56,19 @@ def mix_scalar(own: float, plan: MixingPlan, received: dict[str, Message], key: 
         if j in weights:
             total += weights[j] * float(received[j].scalars[key])
     return total
+
+
+# -- the batched engine: one matrix product per gossip step --------------------------------------
+# Row i of ``weights`` ([peers, peers]) is peer i's plan: its self weight on the diagonal, W[i, j]
+# for the in-neighbours whose payload arrived, zero elsewhere; the same numbers ``mix_weights``
+# gives the exact engine, so ``weights @ X`` is ``mix_into`` for every peer at once (summed in
+# another order: equal up to float reassociation).
+def row_normalized(weights: torch.Tensor) -> torch.Tensor:
+    """Pull mode: each row divided by its sum (``mix_weights(..., renormalize=True)`` for all peers)."""
+    return weights / weights.sum(dim=1, keepdim=True)
+
+
+def mix_rows(weights: torch.Tensor, stacked: torch.Tensor, renormalize: bool = True) -> torch.Tensor:
+    """``W @ X``: every peer's plan-weighted mix of the stacked payloads ``X`` = ``[peers, m]``."""
+    w = row_normalized(weights) if renormalize else weights
+    return w.to(stacked.dtype) @ stacked

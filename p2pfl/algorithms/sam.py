@@ -1,9 +1,9 @@
 """The one SAM (sharpness-aware minimization) implementation every algorithm uses.
 
 Plain (non-adaptive) SAM as in DFedSAM, DFedSMDC and DFedADMM-SAM: take the gradient g on a
-minibatch, move to w + rho * g / ||g|| (one *global* L2 norm over the perturbed parameters),
-take the gradient there on the *same* minibatch, restore w exactly, and let the optimizer step
-with the perturbed gradient. With rho = 0 the perturbation is zero and the step is bitwise the
+minibatch, move to w + rho * g / ||g|| (one *global* L2 norm over the perturbed parameters; the
+rule is ``rules.sam_perturbation``, shared with the batched engine), take the gradient there on
+the *same* minibatch, restore w exactly, and let the optimizer step with the perturbed gradient. With rho = 0 the perturbation is zero and the step is bitwise the
 plain SGD step.
 """
 
@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from p2pfl.algorithms.rules import sam_perturbation
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -27,12 +29,10 @@ def sam_gradient(model: nn.Module, params: list[nn.Parameter], x: torch.Tensor, 
     loss = loss_fn(model(x), y)
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    scale = float(rho) / (float(norm) + 1e-12)
     saved = [p.detach().clone() for p in params]  # restore exactly: (w + e) - e != w in floating point
     with torch.no_grad():
-        for p, g in zip(params, grads, strict=True):
-            p.add_(g, alpha=scale)
+        for p, e in zip(params, sam_perturbation(grads, rho), strict=True):
+            p.add_(e)
     for p in params:
         p.grad = None
     loss_fn(model(x), y).backward()

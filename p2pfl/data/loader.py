@@ -105,18 +105,33 @@ class PeerData:
 
         The permutation is drawn when the iterator is first advanced.
         """
-        if self.num_train == 0:
-            return
-        order = self._train_idx.index_select(0, self._perm(generator))
-        for start in range(0, self.num_train, self.batch_size):
-            yield self._gather(order[start : start + self.batch_size])
+        for pos in self.epoch_positions(generator):
+            yield self.train_batch(pos)
 
     def sample_batch(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """One random minibatch of ``batch_size`` distinct samples (all of them if fewer)."""
+        return self.train_batch(self.sample_positions(generator))
+
+    # Positions (0..num_train-1 into this peer's own train list) rather than batches: the batched
+    # engine gathers every peer's batch in one indexing op, and the frozen-body cache indexes its
+    # features by them. Drawing is the same as for ``epoch``/``sample_batch``, draw for draw.
+    def epoch_positions(self, generator: torch.Generator) -> Iterator[torch.Tensor]:
+        """The positions of each minibatch of one shuffled pass (the permutation is drawn lazily)."""
+        if self.num_train == 0:
+            return
+        perm = self._perm(generator)
+        for start in range(0, self.num_train, self.batch_size):
+            yield perm[start : start + self.batch_size]
+
+    def sample_positions(self, generator: torch.Generator) -> torch.Tensor:
+        """The positions of one random minibatch of distinct samples."""
         if self.num_train == 0:
             raise ValueError("this peer has no training samples")
-        pick = self._perm(generator)[: self.batch_size]
-        return self._gather(self._train_idx.index_select(0, pick))
+        return self._perm(generator)[: self.batch_size]
+
+    def train_batch(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples at ``positions`` of this peer's train list."""
+        return self._gather(self._train_idx.index_select(0, positions))
 
     def test_batches(self, batch_size: int = 1000) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The peer's test set in order, in batches of ``batch_size`` (no randomness)."""

@@ -89,9 +89,14 @@ class ParamLayout:
             p.grad = None
 
     def views(self, flat: torch.Tensor, part: str = "all") -> dict[str, torch.Tensor]:
-        """Named views into ``flat`` (``part``: all | shared | personal)."""
+        """Named views into ``flat`` (``part``: all | shared | personal).
+
+        ``flat`` may carry leading dimensions (``[peers, numel]`` in the batched engine): each
+        view is then ``[peers, *shape]``, still sharing ``flat``'s storage.
+        """
         specs = {"all": self.specs, "shared": self.shared_specs(), "personal": self.personal_specs()}[part]
-        return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in specs}
+        lead = tuple(flat.shape[:-1])
+        return {s.name: flat[..., s.offset : s.offset + s.numel].view(*lead, *s.shape) for s in specs}
 
     def shared_params(self, model: nn.Module) -> list[nn.Parameter]:
         params = dict(model.named_parameters())
