@@ -18,7 +18,7 @@ import importlib.metadata
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from typing import Any, NoReturn
 
@@ -31,8 +31,17 @@ from p2pfl.proto import peer_pb2
 from p2pfl.security.certs import TLSConfig, caller_peer_id
 from p2pfl.topology import MixingPlan, Topology
 from p2pfl.topology.schedule import check_mode
+from p2pfl.transport.limits import (
+    Call,
+    CallLimits,
+    CallWatch,
+    RateLimitedLog,
+    Undecodable,
+    bounded,
+    safe_deserializer,
+)
 from p2pfl.wire.codec import DEFAULT_CHUNK_BYTES, Decoder, EncodedPayload, RawData, encode_frames, parse_frame
-from p2pfl.wire.validate import Expectation, Reason, WireError
+from p2pfl.wire.validate import Expectation, Reason, WireError, excerpt
 
 __all__ = [
     "HEADER_SLACK",
@@ -61,6 +70,7 @@ _STATUS: dict[Reason, grpc.StatusCode] = {
     Reason.MISSING_HEADER: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.DUPLICATE_HEADER: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.EMPTY_CHUNK: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.MALFORMED: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.MANIFEST: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.DTYPE: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.SCALARS: grpc.StatusCode.INVALID_ARGUMENT,
@@ -181,6 +191,13 @@ class PeerServer:
         self.topology_hash = ""
         self._may_pull: frozenset[str] = frozenset()
         self._may_push: frozenset[str] = frozenset()
+        self._members: frozenset[str] = frozenset()
+        # fair service (p2pfl/transport/limits.py): quotas per caller, server-side call deadlines
+        self._limits: CallLimits | None = None
+        self._watch: CallWatch | None = None
+        self._executor: futures.ThreadPoolExecutor | None = None
+        self._log_rejection = RateLimitedLog(log, burst=20, interval_s=10.0)
+        self.max_call_s = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -201,6 +218,9 @@ class PeerServer:
         max_workers: int | None = None,
         max_wait_s: float = 300.0,
         max_pending: int = 16,
+        max_calls_per_peer: int = 8,
+        max_calls_others: int = 4,
+        max_call_s: float | None = None,
     ) -> int:
         """Bind ``address`` (``host:port``; port 0 picks one) and serve; return the bound port.
 
@@ -209,6 +229,14 @@ class PeerServer:
         let the server compute each (round, step)'s plan to authorize callers. ``max_message_mb``
         bounds one payload, ``chunk_bytes`` sizes chunks (and the per-gRPC-message limit).
         ``max_wait_s`` caps how long a Pull without a deadline waits for a publish.
+
+        Fair service: each neighbour may hold ``max_calls_per_peer`` calls at once (Pull, Push and
+        Status together; a push-mode neighbour ahead by ``window`` rounds holds ``window + 1``), all
+        other callers share ``max_calls_others``; more are refused RESOURCE_EXHAUSTED at once. The
+        thread pool serves every quota at once (``max_workers`` defaults to that). Every call is cut
+        (cancelled) ``max_call_s`` after it started, whatever the client's deadline (default:
+        ``max_wait_s + 60``): a Pull waits at most ``max_wait_s`` for its payload, then has a minute
+        to stream it, and so does a Push to send its chunks and hear its answer.
         """
         if self._server is not None:
             raise RuntimeError(f"peer server {self.peer_id!r} is already started")
@@ -233,28 +261,30 @@ class PeerServer:
         self.max_wait_s, self.max_pending = float(max_wait_s), int(max_pending)
         self._may_pull = topology.possible_out_neighbours(peer_id)
         self._may_push = topology.possible_in_neighbours(peer_id)
+        self._members = frozenset(topology.ids)
+        self._limits = CallLimits(self._may_pull | self._may_push, max_calls_per_peer, max_calls_others)
         if max_workers is None:
-            # Every waiting Pull holds a worker thread: room for each neighbour and a few more.
-            max_workers = min(64, 8 + 2 * len(self._may_pull | self._may_push))
-
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"peer-{peer_id}"),
-            options=server_options(self.chunk_bytes),
-        )
+            # Every call in progress holds a worker thread: enough for every quota at once, so a
+            # caller meets its own limit, never a pool that another caller filled.
+            max_workers = self._limits.workers
+        self.max_call_s = float(max_call_s) if max_call_s is not None else self.max_wait_s + 60.0
+        self._watch = CallWatch(self.max_call_s, self._cut, name=f"calls-{peer_id}")
+        self._executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"peer-{peer_id}")
+        server = grpc.server(self._executor, options=server_options(self.chunk_bytes))
         handlers = {
             "Pull": grpc.unary_stream_rpc_method_handler(
-                self._pull,
-                request_deserializer=peer_pb2.PullRequest.FromString,
+                self._guarded("Pull", self._pull, streaming=True),
+                request_deserializer=safe_deserializer(peer_pb2.PullRequest.FromString),
                 response_serializer=_identity,
             ),
             "Push": grpc.stream_unary_rpc_method_handler(
-                self._push,
-                request_deserializer=parse_frame,
+                self._guarded("Push", self._push),
+                request_deserializer=safe_deserializer(parse_frame),
                 response_serializer=peer_pb2.PushReply.SerializeToString,
             ),
             "Status": grpc.unary_unary_rpc_method_handler(
-                self._status,
-                request_deserializer=peer_pb2.StatusRequest.FromString,
+                self._guarded("Status", self._status),
+                request_deserializer=safe_deserializer(peer_pb2.StatusRequest.FromString),
                 response_serializer=peer_pb2.StatusReply.SerializeToString,
             ),
         }
@@ -267,8 +297,10 @@ class PeerServer:
             else:
                 port = server.add_insecure_port(address)
         except RuntimeError as e:
+            self._release_threads()
             raise RuntimeError(f"peer {peer_id!r} cannot listen on {address}: {e}") from None
         if not port:
+            self._release_threads()
             raise RuntimeError(f"peer {peer_id!r} cannot listen on {address}")
         server.start()
         self._server, self.port, self.address = server, port, address
@@ -280,16 +312,34 @@ class PeerServer:
         )
         return port
 
-    def stop(self, grace: float | None = 1.0) -> None:
-        """Stop serving: waiting Pulls end (UNAVAILABLE), in-flight calls get ``grace`` seconds."""
+    def stop(self, grace: float | None = 1.0, timeout_s: float = 10.0) -> bool:
+        """Stop serving: waiting Pulls end (UNAVAILABLE), in-flight calls get ``grace`` seconds.
+
+        Returns within ``grace + timeout_s``: True once every call ended; False, logged at ERROR, if
+        some were still running then (they are abandoned: gRPC has cancelled them, and their
+        threads end when they notice).
+        """
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         if self._health is not None:
             self._health.enter_graceful_shutdown()
-        if self._server is not None:
-            self._server.stop(grace).wait()
-            self._server = None
+        stopped = True
+        server, self._server = self._server, None
+        if server is not None:
+            bound = (grace or 0.0) + timeout_s
+            stopped = server.stop(grace).wait(bound)
+            if not stopped:
+                log.error("%s: the peer service did not stop within %.1fs (%d calls still running); giving up on them",
+                          self.peer_id, bound, self._watch.live if self._watch else -1)
+        self._release_threads()
+        return stopped
+
+    def _release_threads(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> PeerServer:
         return self
@@ -391,9 +441,72 @@ class PeerServer:
     # ---- RPC handlers ------------------------------------------------------------------------
 
     def _reject(self, context: grpc.ServicerContext, rpc: str, who: str, code: grpc.StatusCode, msg: str) -> NoReturn:
-        log.warning("%s: rejected %s from %s: %s: %s", self.peer_id, rpc, who, code.name, msg)
+        """Answer ``code``/``msg`` and log it (one bounded line; at most a few per caller and 10 s)."""
+        who, msg = bounded(who, 80), bounded(msg)
+        self._log_rejection(logging.WARNING, self._log_key(who), "%s: rejected %s from %s: %s: %s", self.peer_id,
+                            rpc, who, code.name, msg)
         context.abort(code, msg)
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+    def _guarded(self, rpc: str, handler: Callable[..., Any], streaming: bool = False) -> Callable[..., Any]:
+        """``handler`` as a gRPC behaviour under the server-side call limit; its quota slot is freed however it ends."""
+        if streaming:
+            def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                call = self._open(rpc, request, context)
+                try:
+                    yield from handler(request, context, call)
+                finally:
+                    self._close(call)
+
+            return stream
+
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            call = self._open(rpc, request, context)
+            try:
+                return handler(request, context, call)
+            finally:
+                self._close(call)
+
+        return unary
+
+    def _open(self, rpc: str, request: Any, context: grpc.ServicerContext) -> Call:
+        assert self._watch is not None
+        call = self._watch.open(rpc, context)
+        if isinstance(request, Undecodable):
+            self._close(call)
+            self._reject(context, rpc, context.peer(), grpc.StatusCode.INVALID_ARGUMENT,
+                         f"the request ({request.size} bytes) is not a valid {rpc} request message: {request.error}")
+        return call
+
+    def _close(self, call: Call) -> None:
+        assert self._watch is not None and self._limits is not None
+        self._watch.close(call)
+        if call.slot is not None:
+            self._limits.leave(call.slot)
+            call.slot = None
+
+    def _admit(self, call: Call, caller: str) -> None:
+        """Take a slot of ``caller``'s quota for ``call``, or refuse RESOURCE_EXHAUSTED at once."""
+        assert self._limits is not None
+        got = self._limits.enter(caller)
+        if got is None:
+            bucket = self._limits.bucket(caller)
+            whose = f"peer {excerpt(caller)}" if bucket == caller else "callers that are not neighbours"
+            limit = self._limits.per_peer if bucket == caller else self._limits.unknown
+            self._reject(call.context, call.rpc, caller, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"{whose} already hold {limit} calls in progress on {self.peer_id!r} (the limit); retry later")
+        call.slot, call.caller = got[0], caller
+
+    def _log_key(self, who: str) -> str:
+        """Whose log quota a line uses: each peer of the topology its own, everyone else one shared."""
+        return who if who in self._members else "(others)"
+
+    def _cut(self, call: Call) -> None:
+        """The call watch is cancelling ``call``: say so (the caller sees CANCELLED)."""
+        self._log_rejection(logging.WARNING, self._log_key(call.caller),
+                            "%s: cut %s from %s after %.1fs: the server-side call limit is %.0fs",
+                            self.peer_id, call.rpc, bounded(call.caller, 80), time.monotonic() - call.started,
+                            self.max_call_s)
 
     def _caller(self, context: grpc.ServicerContext, claimed: str, rpc: str) -> str:
         """The authenticated caller id: the certificate's under TLS, the claimed one under --insecure."""
@@ -409,7 +522,7 @@ class PeerServer:
                          "the caller presented no usable peer certificate")
         if claimed and claimed != cert_id:
             self._reject(context, rpc, cert_id, grpc.StatusCode.PERMISSION_DENIED,
-                         f"the caller claims to be {claimed!r} but its certificate is for {cert_id!r}")
+                         f"the caller claims to be {excerpt(claimed)} but its certificate is for {cert_id!r}")
         return cert_id
 
     def _plan(self, round: int, step: int) -> MixingPlan:
@@ -425,8 +538,9 @@ class PeerServer:
             return f"round {round} is more than one round ahead of this peer (round {cur})"
         return None
 
-    def _pull(self, request: peer_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _pull(self, request: peer_pb2.PullRequest, context: grpc.ServicerContext, call: Call) -> Iterator[bytes]:
         caller = self._caller(context, request.requester, "Pull")
+        self._admit(call, caller)
         r, s = int(request.round), int(request.step)
         what = f"Pull(round {r}, step {s})"
         if caller not in self._may_pull:
@@ -434,7 +548,7 @@ class PeerServer:
                          f"peer {caller!r} is not an out-neighbour of {self.peer_id!r} in the topology; it may not pull")
         if request.topology_hash != self.topology_hash:
             self._reject(context, what, caller, grpc.StatusCode.FAILED_PRECONDITION,
-                         f"topology hash {request.topology_hash!r} differs from this peer's {self.topology_hash!r}")
+                         f"topology hash {excerpt(request.topology_hash)} differs from this peer's {self.topology_hash!r}")
         if self.mode != "pull":
             self._reject(context, what, caller, grpc.StatusCode.FAILED_PRECONDITION,
                          f"peer {self.peer_id!r} mixes in {self.mode} mode; it serves no pulls")
@@ -508,8 +622,12 @@ class PeerServer:
                     )
                 self._cond.wait(left)
 
-    def _push(self, request_iterator: Iterator[peer_pb2.Chunk | RawData], context: grpc.ServicerContext) -> peer_pb2.PushReply:
+    def _push(self, request_iterator: Iterator[peer_pb2.Chunk | RawData | Undecodable], context: grpc.ServicerContext,
+              call: Call) -> peer_pb2.PushReply:
         cert_id = self._caller(context, "", "Push") if self.tls is not None else None
+        if cert_id is not None:
+            self._admit(call, cert_id)
+        request_iterator = _decodable(request_iterator)
         if cert_id is not None and cert_id not in self._may_push:
             self._reject(context, "Push", cert_id, grpc.StatusCode.PERMISSION_DENIED,
                          f"peer {cert_id!r} is not an in-neighbour of {self.peer_id!r} in the topology; it may not push")
@@ -517,7 +635,10 @@ class PeerServer:
         if self.mode != "push":
             self._reject(context, "Push", who, grpc.StatusCode.FAILED_PRECONDITION,
                          f"peer {self.peer_id!r} mixes in {self.mode} mode; it takes no pushes")
-        first = next(request_iterator, None)
+        try:
+            first = next(request_iterator, None)
+        except WireError as e:
+            self._reject(context, "Push", who, status_for(e), e.message)
         if first is None:
             self._reject(context, "Push", who, grpc.StatusCode.INVALID_ARGUMENT, "empty push stream (no header)")
         if isinstance(first, RawData) or first.WhichOneof("body") != "header":
@@ -530,6 +651,7 @@ class PeerServer:
             if not h.sender:
                 self._reject(context, what, who, grpc.StatusCode.UNAUTHENTICATED, "the header names no sender")
             caller = h.sender
+            self._admit(call, caller)
             if caller not in self._may_push:
                 self._reject(context, what, caller, grpc.StatusCode.PERMISSION_DENIED,
                              f"peer {caller!r} is not an in-neighbour of {self.peer_id!r} in the topology; it may not push")
@@ -537,10 +659,10 @@ class PeerServer:
             caller = cert_id
             if h.sender != cert_id:
                 self._reject(context, what, caller, grpc.StatusCode.PERMISSION_DENIED,
-                             f"the header names sender {h.sender!r} but the caller's certificate is for {cert_id!r}")
+                             f"the header names sender {excerpt(h.sender)} but the caller's certificate is for {cert_id!r}")
         if h.topology_hash != self.topology_hash:
             self._reject(context, what, caller, grpc.StatusCode.FAILED_PRECONDITION,
-                         f"topology hash {h.topology_hash!r} differs from this peer's {self.topology_hash!r} "
+                         f"topology hash {excerpt(h.topology_hash)} differs from this peer's {self.topology_hash!r} "
                          "(the peers run different topology files)")
         key = (caller, r, s)
         with self._cond:
@@ -582,7 +704,13 @@ class PeerServer:
             self._reject(context, what, caller, code, why)
         return peer_pb2.PushReply(bytes_received=dec.wire_bytes)
 
-    def _status(self, request: peer_pb2.StatusRequest, context: grpc.ServicerContext) -> peer_pb2.StatusReply:
+    def _status(self, request: peer_pb2.StatusRequest, context: grpc.ServicerContext, call: Call) -> peer_pb2.StatusReply:
+        if self.tls is not None:  # (plaintext callers have no identity to check)
+            caller = self._caller(context, "", "Status")
+            self._admit(call, caller)
+            if caller not in self._members:
+                self._reject(context, "Status", caller, grpc.StatusCode.PERMISSION_DENIED,
+                             f"peer {caller!r} is not in the topology of {self.peer_id!r}; it may not ask its status")
         return peer_pb2.StatusReply(
             peer_id=self.peer_id, round=self.round, topology_hash=self.topology_hash, version=_version()
         )
@@ -590,3 +718,11 @@ class PeerServer:
 
 def _identity(b: bytes) -> bytes:
     return b
+
+
+def _decodable(items: Iterator[peer_pb2.Chunk | RawData | Undecodable]) -> Iterator[peer_pb2.Chunk | RawData]:
+    """The pushed chunks; one that did not parse stops the stream with a `WireError` naming it."""
+    for i, item in enumerate(items):
+        if isinstance(item, Undecodable):
+            raise WireError(Reason.MALFORMED, f"chunk {i} ({item.size} bytes) is not a valid Chunk message: {item.error}")
+        yield item

@@ -29,6 +29,7 @@ __all__ = [
     "all_finite",
     "check_finite",
     "check_header",
+    "excerpt",
 ]
 
 #: The only tensor dtype on the wire (the flat parameter buffers are float32).
@@ -46,6 +47,7 @@ class Reason(StrEnum):
     MISSING_HEADER = "missing_header"
     DUPLICATE_HEADER = "duplicate_header"
     EMPTY_CHUNK = "empty_chunk"
+    MALFORMED = "malformed"
     MANIFEST = "manifest"
     DTYPE = "dtype"
     SCALARS = "scalars"
@@ -102,7 +104,7 @@ def _fmt_ids(ids: Iterable[str]) -> str:
     return ", ".join(ids) if ids else "none"
 
 
-def _show(text: str) -> str:
+def excerpt(text: str) -> str:
     """``repr`` of a peer-supplied string, cut to a bounded excerpt: error messages end up in logs."""
     if len(text) <= _SHOW:
         return repr(text)
@@ -111,7 +113,7 @@ def _show(text: str) -> str:
 
 def _show_keys(keys: Iterable[str], limit: int = 8) -> str:
     keys = sorted(keys)
-    shown = ", ".join(_show(k) for k in keys[:limit])
+    shown = ", ".join(excerpt(k) for k in keys[:limit])
     return f"[{shown}{f', ... ({len(keys)} keys)' if len(keys) > limit else ''}]"
 
 
@@ -135,13 +137,13 @@ def check_header(h: peer_pb2.Header, exp: Expectation) -> tuple[TensorSpec, ...]
     if h.topology_hash != exp.topology_hash:
         raise WireError(
             Reason.TOPOLOGY,
-            f"topology hash {_show(h.topology_hash)} differs from this peer's {exp.topology_hash!r} "
+            f"topology hash {excerpt(h.topology_hash)} differs from this peer's {exp.topology_hash!r} "
             "(the peers run different topology files)",
         )
     if h.sender not in exp.senders:
         raise WireError(
             Reason.SENDER,
-            f"sender {_show(h.sender)} is not an allowed in-neighbour at round {exp.round} step {exp.step} "
+            f"sender {excerpt(h.sender)} is not an allowed in-neighbour at round {exp.round} step {exp.step} "
             f"(allowed: {_fmt_ids(exp.senders)})",
         )
     if h.round != exp.round:
@@ -160,11 +162,11 @@ def check_header(h: peer_pb2.Header, exp: Expectation) -> tuple[TensorSpec, ...]
     for i, (e, want) in enumerate(zip(entries, exp.specs, strict=False)):
         if e.name != want.name:
             raise WireError(
-                Reason.MANIFEST, f"manifest entry {i} is tensor {_show(e.name)}, expected {want.name!r}"
+                Reason.MANIFEST, f"manifest entry {i} is tensor {excerpt(e.name)}, expected {want.name!r}"
             )
         if e.dtype != DTYPE:
             raise WireError(
-                Reason.DTYPE, f"tensor {e.name!r} has dtype {_show(e.dtype)}; only {DTYPE} is accepted"
+                Reason.DTYPE, f"tensor {e.name!r} has dtype {excerpt(e.dtype)}; only {DTYPE} is accepted"
             )
         shape = tuple(int(d) for d in e.shape)
         if shape != tuple(want.shape):
@@ -180,7 +182,7 @@ def check_header(h: peer_pb2.Header, exp: Expectation) -> tuple[TensorSpec, ...]
         raise WireError(
             Reason.MANIFEST,
             f"manifest has {len(entries)} tensors, expected {len(exp.specs)}: "
-            f"unexpected tensor {_show(entries[len(exp.specs)].name)}",
+            f"unexpected tensor {excerpt(entries[len(exp.specs)].name)}",
         )
     if len(entries) < len(exp.specs):
         raise WireError(
