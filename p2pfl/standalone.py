@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from p2pfl.config import ExperimentConfig
-from p2pfl.health import check_health  # noqa: F401  (re-exported: its home is p2pfl.health)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +91,32 @@ def node_main(cfg: ExperimentConfig, peer_id: str, out_dir: Path, certs: Path | 
     signal.signal(signal.SIGINT, on_signal)
     run_node(cfg, peer_id, out_dir, certs=certs, insecure=insecure, stop=stop, threads=threads)
     return 0
+
+
+def check_health(address: str, *, certs: Path | None, peer: str | None, target: str | None, insecure: bool,
+                 timeout_s: float = 5.0) -> bool:
+    """True if the peer at ``address`` reports SERVING on the standard gRPC health service."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if insecure:
+        channel = grpc.insecure_channel(address)
+    else:
+        from p2pfl.security.certs import TLSConfig
+
+        if certs is None or peer is None:
+            raise ValueError("TLS health check needs --certs DIR and --peer ID (or --insecure)")
+        tls = TLSConfig.load(certs, peer)
+        channel = grpc.secure_channel(address, tls.channel_credentials(),
+                                      options=[("grpc.ssl_target_name_override", target or peer)])
+    with channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                             timeout=timeout_s, wait_for_ready=False)
+        except grpc.RpcError as exc:
+            log.info("health check of %s failed: %s", address, exc.code())
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
 # -- launch ----------------------------------------------------------------------------------------
