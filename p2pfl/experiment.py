@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +24,9 @@ from p2pfl.node import Node, Recorder
 from p2pfl.peerapp import PeerApp
 from p2pfl.topology import Topology, load_topology
 from p2pfl.transport.base import Transport
+
+if TYPE_CHECKING:
+    from p2pfl.flower.clientapp import AppSpec
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,7 +61,18 @@ class Experiment:
         return load_dataset(self.cfg.data.dataset, self.cfg.data.root, **self.cfg.data.params)
 
     @cached_property
-    def partition(self) -> Partition:
+    def app_spec(self) -> AppSpec | None:
+        """The config's ClientApp (``app:``), or None for a built-in algorithm."""
+        if not self.cfg.raw.get("app"):
+            return None
+        from p2pfl.flower.clientapp import AppSpec
+
+        return AppSpec.from_raw(self.cfg.raw)
+
+    @cached_property
+    def partition(self) -> Partition | None:
+        if self.app_spec is not None:
+            return None  # a ClientApp partitions its own data (context.node_config's partition-id)
         p = dict(self.cfg.data.partition)
         kind = p.pop("kind")
         return make_partition(self.dataset.train_y.numpy(), self.dataset.test_y.numpy(),
@@ -70,6 +85,8 @@ class Experiment:
     @cached_property
     def _init(self) -> tuple[ParamLayout, torch.Tensor]:
         """One initial model for every peer (identical phi(0), as all papers recommend)."""
+        if self.app_spec is not None:
+            return self._app_init[:2]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed)
             model = self.build_model()
@@ -77,14 +94,30 @@ class Experiment:
         layout = ParamLayout.from_model(model, shared, personal)
         return layout, layout.flatten(model)
 
+    @cached_property
+    def _app_init(self) -> tuple[ParamLayout, torch.Tensor, dict[str, torch.dtype]]:
+        from p2pfl.flower.clientapp import app_layout, initial_state, load_client_app
+
+        assert self.app_spec is not None
+        load_client_app(self.app_spec.app)  # refuse a wrong ``app`` here, before any peer starts
+        return app_layout(initial_state(self.app_spec, self.cfg.seed), self.app_spec.personal)
+
     @property
     def layout(self) -> ParamLayout:
         return self._init[0]
 
     def new_algorithm(self) -> Algorithm:
+        if self.app_spec is not None:
+            from p2pfl.flower.clientapp import ClientAppAlgorithm
+
+            return ClientAppAlgorithm(self.app_spec, self.layout, self._app_init[2], run_id=self.cfg.seed)
         return build_algorithm(self.cfg.algorithm_name, self.cfg.hyperparameters(), self.layout)
 
     def model_factory(self) -> torch.nn.Module:
+        if self.app_spec is not None:
+            from p2pfl.flower.clientapp import carrier_module
+
+            return carrier_module(self.layout).to(self.device)
         return self.build_model().to(self.device)
 
     def peer_data(self, peer_id: str) -> PeerData:
@@ -100,8 +133,15 @@ class Experiment:
         gen.manual_seed(peer_seed(self.cfg.seed, i))
         algorithm = self.new_algorithm()
         state = PeerState(peer_id=peer_id, params=self._init[1].clone().to(self.device))
+        app: Any
+        if self.app_spec is not None:
+            from p2pfl.flower.clientapp import ClientAppEvaluator
+
+            algorithm.bind_peer(peer_id, i, len(self.topology.ids))  # type: ignore[attr-defined]
+            app = ClientAppEvaluator(algorithm)  # type: ignore[arg-type]
+        else:
+            app = PeerApp(peer_id, self.model_factory, self.peer_data(peer_id), self.device)
         algorithm.init_state(state, gen)
-        app = PeerApp(peer_id, self.model_factory, self.peer_data(peer_id), self.device)
         ckpt = (run_dir / "checkpoints" / f"{peer_id}.npz") if (run_dir and self.cfg.checkpoint_every) else None
         node = Node(peer_id=peer_id, topology=self.topology, algorithm=algorithm, app=app, transport=transport,
                     models=models, layout=self.layout, state=state, generator=gen, seed=self.cfg.seed,

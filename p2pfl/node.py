@@ -123,7 +123,7 @@ class Node:
             with self.models.borrow((r, 1, self.topology.index(self.peer_id))) as model:
                 self.layout.bind(model, self.state.params)
                 ev = self.app.evaluate(model)
-            rec.update(acc=ev["acc"], loss=ev["loss"])
+            rec.update({k: v for k, v in ev.items() if k != "num_examples"})  # acc, loss (+ a ClientApp's own)
         rec.update({k: v for k, v in train_metrics.items() if isinstance(v, int | float)})
         rec.update(bytes_sent=sent, bytes_recv=recv,
                    consensus_dist=consensus, missing=sorted(missing), train_seconds=t_train,

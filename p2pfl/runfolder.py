@@ -58,7 +58,8 @@ def write_inputs(run_dir: Path, raw_config: dict[str, Any], topology_dict: dict[
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(raw_config, sort_keys=False))
     (run_dir / "topology.yaml").write_text(yaml.safe_dump(topology_dict, sort_keys=False))
-    partition.save(run_dir / "partition.json")
+    if partition is not None:  # None: a ClientApp partitions its own data
+        partition.save(run_dir / "partition.json")
 
 
 def per_round(recs: list[dict[str, Any]]) -> dict[int, list[float]]:

@@ -59,8 +59,8 @@ from p2pfl.config import ExperimentConfig
 from p2pfl.experiment import Experiment, peer_seed
 from p2pfl.modelpool import ModelPool
 from p2pfl.models.layout import ParamLayout
-from p2pfl.runfolder import MetricsWriter, plot_accuracy, sort_metrics, summarize, write_inputs, write_summary
 from p2pfl.peerapp import PeerApp
+from p2pfl.runfolder import MetricsWriter, plot_accuracy, sort_metrics, summarize, write_inputs, write_summary
 
 MODE = "flower-fedper"
 

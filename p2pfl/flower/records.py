@@ -1,0 +1,187 @@
+"""Conversions at the Flower boundary: named tensors <-> records, messages, and a Context's state.
+
+Everything that arrives in a record is checked before it is used (names, shapes, dtype,
+finiteness), so a refused record changes nothing. A ``Context.state`` is turned into tensors
+plus one JSON document (never pickle) so it fits a peer checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
+
+import numpy as np
+import torch
+from flwr.app import (
+    DEFAULT_TTL,
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    Metadata,
+    MetricRecord,
+    RecordDict,
+)
+
+from p2pfl.models.layout import TensorSpec
+
+ARRAYS_KEY = "arrays"  # what Flower's strategies send and quickstart apps read
+CONFIG_KEY = "config"
+METRICS_KEY = "metrics"
+
+_R = TypeVar("_R", ArrayRecord, ConfigRecord, MetricRecord)
+
+
+def array_record(tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype] | None = None) -> ArrayRecord:
+    """Named tensors as an ArrayRecord (Flower serializes each one as .npy bytes, no pickle).
+
+    ``dtypes`` casts a tensor back to the dtype its owner declared (flat buffers are float32).
+    """
+    rec = ArrayRecord()
+    for name, t in tensors.items():
+        t = t.detach().cpu()
+        if dtypes is not None and name in dtypes and t.dtype != dtypes[name]:
+            t = t.to(dtypes[name])
+        rec[name] = Array(t.contiguous().numpy())
+    return rec
+
+
+def tensor_of(arr: Array) -> torch.Tensor:
+    """An Array's values as a (writable) tensor."""
+    return torch.from_numpy(np.array(arr.numpy(), copy=True))
+
+
+def record_of(content: RecordDict, key: str, kind: type[_R]) -> _R:
+    """``content[key]``, refused unless it is a ``kind`` record (a message is never trusted)."""
+    rec = content.get(key)
+    if not isinstance(rec, kind):
+        raise ValueError(f"message has no {kind.__name__} {key!r}")
+    return rec
+
+
+def number(rec: ConfigRecord | MetricRecord, key: str) -> float:
+    """A scalar value of a record, refused unless it is a number."""
+    value = rec.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"record value {key!r} is not a number: {value!r}")
+    return float(value)
+
+
+def scalar_metrics(rec: MetricRecord) -> dict[str, float]:
+    """The scalar entries of a MetricRecord (lists are skipped: a metrics line holds scalars)."""
+    return {k: float(v) for k, v in rec.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def load_arrays(specs: Sequence[TensorSpec], record: ArrayRecord, flat: torch.Tensor, what: str) -> None:
+    """Copy ``record``'s tensors into ``flat`` at ``specs``' places; refuse anything but exactly ``specs``.
+
+    Names, shapes, a floating-point dtype and finiteness are checked for every tensor before
+    anything is written, so a refused record leaves ``flat`` as it was.
+    """
+    want = [s.name for s in specs]
+    got = list(record.keys())
+    if sorted(got) != sorted(want):
+        extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+        raise ValueError(f"{what} has wrong names (unexpected {extra}, missing {missing})")
+    decoded: list[tuple[int, int, np.ndarray]] = []
+    for s in specs:
+        arr = record[s.name]
+        if tuple(arr.shape) != s.shape:
+            raise ValueError(f"{what}: tensor {s.name!r} has shape {tuple(arr.shape)}, expected {s.shape}")
+        value = arr.numpy()
+        if value.dtype.kind != "f":
+            raise ValueError(f"{what}: tensor {s.name!r} has dtype {value.dtype}, not floating point")
+        if not np.isfinite(value).all():
+            raise ValueError(f"{what}: tensor {s.name!r} contains NaN or Inf")
+        decoded.append((s.offset, s.numel, value))
+    for offset, numel, value in decoded:
+        src = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32).reshape(-1))
+        flat[offset : offset + numel].copy_(src)
+
+
+def record_bytes(content: RecordDict) -> int:
+    """Bytes of the tensors a message carries, as Flower counts them (``ArrayRecord.count_bytes``)."""
+    return sum(rec.count_bytes() for rec in content.array_records.values())
+
+
+def instruction(content: RecordDict, message_type: str, *, run_id: int, src_node_id: int, dst_node_id: int,
+                message_id: str, group_id: str = "") -> Message:
+    """An instruction Message built with Flower's public ``Metadata`` (no process-wide identity needed).
+
+    Flower's runtimes give every message an id when they route it; a peer that hands its own
+    ClientApp a message plays that part, so the id is given here.
+    """
+    metadata = Metadata(run_id=run_id, message_id=message_id, src_node_id=src_node_id, dst_node_id=dst_node_id,
+                        reply_to_message_id="", group_id=group_id, created_at=time.time(), ttl=DEFAULT_TTL,
+                        message_type=message_type)
+    return Message(content, metadata=metadata)
+
+
+# -- Context.state <-> checkpointable tensors ----------------------------------------------------------
+STATE_JSON = "flwr-state.json"  # key of the JSON document (uint8 tensor) among the tensors
+_ARRAY_PREFIX = "flwr-state/"
+
+
+def state_to_tensors(state: RecordDict) -> dict[str, torch.Tensor]:
+    """A Context's state as named tensors: ArrayRecords' arrays as they are, the rest as one JSON.
+
+    ConfigRecord/MetricRecord values are scalars, strings, bytes or lists of them; bytes become
+    hex strings tagged in the JSON so they round-trip exactly.
+    """
+    out: dict[str, torch.Tensor] = {}
+    doc: dict[str, dict] = {"arrays": {}, "config": {}, "metrics": {}}
+    for key, rec in state.items():
+        if isinstance(rec, ArrayRecord):
+            names = []
+            for i, (name, arr) in enumerate(rec.items()):
+                out[f"{_ARRAY_PREFIX}{key}/{i}"] = tensor_of(arr)
+                names.append(name)
+            doc["arrays"][key] = names
+        elif isinstance(rec, ConfigRecord):
+            doc["config"][key] = {k: _jsonable(v) for k, v in rec.items()}
+        elif isinstance(rec, MetricRecord):
+            doc["metrics"][key] = dict(rec.items())
+        else:  # pragma: no cover - a RecordDict holds only these three
+            raise TypeError(f"unknown record type {type(rec).__name__}")
+    out[STATE_JSON] = torch.frombuffer(bytearray(json.dumps(doc, sort_keys=True).encode()), dtype=torch.uint8)
+    return out
+
+
+def tensors_to_state(tensors: Mapping[str, torch.Tensor]) -> RecordDict:
+    """The inverse of ``state_to_tensors`` (order of records and of arrays kept)."""
+    if STATE_JSON not in tensors:
+        return RecordDict()
+    doc = json.loads(bytes(tensors[STATE_JSON].cpu().numpy().tobytes()).decode())
+    state = RecordDict()
+    for key, names in doc["arrays"].items():
+        rec = ArrayRecord()
+        for i, name in enumerate(names):
+            rec[name] = Array(tensors[f"{_ARRAY_PREFIX}{key}/{i}"].cpu().contiguous().numpy())
+        state[key] = rec
+    for key, values in doc["config"].items():
+        state[key] = ConfigRecord({k: _from_jsonable(v) for k, v in values.items()})
+    for key, values in doc["metrics"].items():
+        state[key] = MetricRecord(values)
+    return state
+
+
+def is_state_tensor(name: str) -> bool:
+    return name == STATE_JSON or name.startswith(_ARRAY_PREFIX)
+
+
+def _jsonable(v):
+    if isinstance(v, bytes):
+        return {"bytes": v.hex()}
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _from_jsonable(v):
+    if isinstance(v, dict):
+        return bytes.fromhex(v["bytes"])
+    if isinstance(v, list):
+        return [_from_jsonable(x) for x in v]
+    return v
