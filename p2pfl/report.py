@@ -423,5 +423,59 @@ def make_report(dirs: Sequence[str | Path], out: str | Path, *, target: float | 
     return Report(markdown=table, groups=groups, columns=cols, files=files, warnings=warnings)
 
 
-__all__ = ["Group", "Report", "ReportError", "Run", "find_runs", "flatten", "group_runs", "load_run",
-           "make_report", "markdown_table", "table_keys", "varying_keys"]
+def averaged_model_accuracy(run_dir: str | Path, batch_size: int = 1000) -> dict[str, Any]:
+    """The DFedADMM / DFedSAM papers' metric: the average x̄ of all peers' final models, evaluated on
+    the dataset's whole (global) test set.
+
+    Every other figure here is personalized (each peer's own model on its own test split, the
+    metric of DePRL, DFedMDC and DFedPGP); the DFedADMM and DFedSAM tables report this one instead
+    (spec 002 §5, spec 003 §4). x̄ is the plain mean over peers of the full flat parameter vector in
+    ``checkpoints/<peer>.npz`` (the run's last checkpoint; every peer's must be of the same round).
+    For algorithms with personal heads the mean of the heads is part of x̄: the number is
+    computable but is not what those papers report. Reads only the run's own checkpoint files
+    (numpy, no pickle). Raises :class:`ReportError` when the run has no complete set of checkpoints.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from p2pfl.checkpoint import load_checkpoint
+    from p2pfl.config import load_config
+    from p2pfl.experiment import Experiment
+
+    run = Path(run_dir)
+    try:
+        exp = Experiment(load_config(run / "config.yaml"), torch.device("cpu"))
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"{run}: cannot rebuild the experiment from config.yaml: {exc}") from None
+    peers = list(exp.topology.ids)
+    paths = [run / "checkpoints" / f"{pid}.npz" for pid in peers]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise ReportError(f"{run}: no final checkpoint for {len(missing)} peers (e.g. {missing[0]})")
+    total: torch.Tensor | None = None
+    rounds = set()
+    for path in paths:
+        state, _, _ = load_checkpoint(path)
+        rounds.add(state.round)
+        total = state.params.double() if total is None else total + state.params.double()
+    if len(rounds) != 1:
+        raise ReportError(f"{run}: peers' checkpoints are of different rounds {sorted(rounds)}")
+    assert total is not None
+    model = exp.build_model()
+    exp.layout.bind(model, (total / len(paths)).float())
+    model.eval()
+    data = exp.dataset
+    correct, loss_sum = 0, 0.0
+    with torch.no_grad():
+        for i in range(0, data.num_test, batch_size):
+            x, y = data.test_x[i:i + batch_size], data.test_y[i:i + batch_size]
+            out = model(x)
+            loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+            correct += int((out.argmax(1) == y).sum())
+    n = data.num_test
+    return {"metric": "averaged model on the global test set", "acc": correct / n, "loss": loss_sum / n,
+            "peers": len(paths), "round": rounds.pop(), "test_examples": n}
+
+
+__all__ = ["Group", "Report", "ReportError", "Run", "averaged_model_accuracy", "find_runs", "flatten",
+           "group_runs", "load_run", "make_report", "markdown_table", "table_keys", "varying_keys"]

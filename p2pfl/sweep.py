@@ -401,7 +401,12 @@ def _normalize(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What decides a cell's results: the config less result-neutral keys, with the topology file
+    named by its content (a checkout or snapshot elsewhere holds the same file at another path)."""
     out = copy.deepcopy(cfg)
+    topo = out.get("topology")
+    if isinstance(topo, str) and Path(topo).is_file():
+        out["topology"] = "sha1:" + hashlib.sha1(Path(topo).read_bytes()).hexdigest()
     for key in RESULT_NEUTRAL_KEYS:
         *parents, leaf = key.split(".")
         node = out

@@ -4,31 +4,36 @@
 # literal DePRL-steps variant, seeds 0-2. Resumable: rerun it; finished cells are skipped and an
 # interrupted cell continues from the last round every peer checkpointed (p2pfl/resume.py).
 #
-# The code runs from a snapshot of a commit (default HEAD) under runs/reproduce/code-<sha>, so that
-# edits in the working tree during a run of many hours cannot change or break it; the commit is
-# logged. Lowest CPU priority (the machine is shared). Logs: runs/reproduce/<sweep>.log,
-# runs/reproduce/<sweep>/<cell>/log.txt; progress: runs/reproduce/table1-progress.log.
+#   bench/reproduce/table1/run.sh                       # the 9 protocol sweeps, in order
+#   bench/reproduce/table1/run.sh smoke-ring-pi0.1      # named sweeps of this folder only
+#   COMMIT=<sha> bench/reproduce/table1/run.sh          # run another commit's code
 #
-#   bench/reproduce/table1/run.sh [COMMIT]
+# The code runs from a snapshot of one commit under runs/reproduce/code-<sha> (remembered in
+# runs/reproduce/code.current and reused until COMMIT says otherwise), so edits in the working
+# tree during runs of many hours can neither change nor break them, and resumed cells keep their
+# exact config. Lowest CPU priority (the machine is shared). Logs: runs/reproduce/<sweep>.log,
+# runs/reproduce/<sweep>/<cell>/log.txt; progress: runs/reproduce/table1-progress.log.
 set -u
 cd "$(dirname "$0")/../../.."
 ROOT=$PWD
 PY=${PY:-$ROOT/.venv/bin/python}
 OUT=${OUT:-$ROOT/runs/reproduce}
-SHA=$(git rev-parse --short=12 "${1:-HEAD}") || exit 2
-CODE="$OUT/code-$SHA"
 mkdir -p "$OUT"
+SHA=$(git rev-parse --short=12 "${COMMIT:-$(cat "$OUT/code.current" 2>/dev/null || echo HEAD)}") || exit 2
+CODE="$OUT/code-$SHA"
 if [ ! -f "$CODE/.complete" ]; then
   rm -rf "$CODE" && mkdir -p "$CODE" && git archive "$SHA" | tar -x -C "$CODE" && touch "$CODE/.complete" || exit 2
 fi
+echo "$SHA" > "$OUT/code.current"
+if [ $# -eq 0 ]; then
+  set -- ring-pi0.1 ring-pi0.3 ring-pi0.5 random-pi0.1 random-pi0.3 random-pi0.5 fc-pi0.1 fc-pi0.3 fc-pi0.5
+fi
 cd "$CODE"
-for graph in ring random fc; do
-  for pi in 0.1 0.3 0.5; do
-    name="t1-$graph-pi$pi"
-    echo "== $(date -u +%FT%TZ) $name (code $SHA)" >> "$OUT/table1-progress.log"
-    nice -n 19 "$PY" -m p2pfl.cli sweep "bench/reproduce/table1/$graph-pi$pi.yaml" --out "$OUT/$name" --quiet \
-      >> "$OUT/$name.log" 2>&1
-    echo "   exit $?" >> "$OUT/table1-progress.log"
-  done
+for sweep in "$@"; do
+  name="t1-$sweep"
+  echo "== $(date -u +%FT%TZ) $name (code $SHA)" >> "$OUT/table1-progress.log"
+  nice -n 19 "$PY" -m p2pfl.cli sweep "bench/reproduce/table1/$sweep.yaml" --out "$OUT/$name" --quiet \
+    >> "$OUT/$name.log" 2>&1
+  echo "   exit $?" >> "$OUT/table1-progress.log"
 done
-echo "== $(date -u +%FT%TZ) all done" >> "$OUT/table1-progress.log"
+echo "== $(date -u +%FT%TZ) done: $*" >> "$OUT/table1-progress.log"
