@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from p2pfl.badinput import EXIT_BAD_INPUT, BadInput
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Peer-to-peer personalized federated learning: simulate, run peers, deploy.")
@@ -23,16 +28,60 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _load(config: Path, sets: list[str] | None, rounds: int | None = None):
-    from p2pfl.config import ConfigError, load_config
+    """Load and validate the whole experiment (a BadInput reaches main(): one line, exit 2)."""
+    from p2pfl.config import load_config
 
     extra = list(sets or [])
     if rounds is not None:
         extra.append(f"rounds={rounds}")
+    cfg = load_config(config, extra)
+    for note in cfg.notes:
+        typer.echo(f"note: {note}", err=True)
+    return cfg
+
+
+@contextmanager
+def _no_leftovers(folder: Path, *, empty_only: bool = False):
+    """Remove ``folder`` if this command created it and then failed on bad input (or left it empty).
+
+    Only a folder that did not exist before the command is ever removed, so a resumed or user-made
+    run folder is never touched.
+    """
+    from p2pfl.badinput import BadInput
+
+    existed = folder.exists()
     try:
-        return load_config(config, extra)
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        yield
+    except BaseException as exc:
+        if not existed and folder.is_dir():
+            if isinstance(exc, BadInput) and not empty_only:
+                shutil.rmtree(folder, ignore_errors=True)
+            elif not any(folder.iterdir()):
+                folder.rmdir()
+        raise
+
+
+def _check_peer(cfg, peer: str, certs: Path | None, insecure: bool) -> None:
+    """`p2pfl node`: the peer is in the topology and its certificate files exist (before anything starts)."""
+    from p2pfl.badinput import BadInput, suggest
+    from p2pfl.topology import load_topology
+
+    ids = load_topology(cfg.topology).ids
+    if peer not in ids:
+        close = suggest(peer, ids)
+        raise BadInput(f"peer {peer!r} is not in topology {cfg.topology}", source="--peer",
+                       allowed=ids if len(ids) <= 20 else f"{ids[0]} ... {ids[-1]} ({len(ids)} peers)",
+                       hint=f"did you mean {close!r}?" if close else None)
+    if insecure or cfg.network.insecure:
+        return
+    folder = certs if certs is not None else (Path(cfg.network.certs) if cfg.network.certs else None)
+    if folder is None:
+        raise BadInput("no certificates: pass --certs DIR (made by `p2pfl certs`) or --insecure for plaintext",
+                       source="--certs")
+    missing = [n for n in ("ca.crt", f"{peer}.crt", f"{peer}.key") if not (folder / n).is_file()]
+    if missing:
+        raise BadInput(f"{', '.join(missing)} not found in {folder}", source="--certs",
+                       hint=f"make them with `p2pfl certs -c CONFIG --out {folder}`")
 
 
 def default_run_dir(name: str, algorithm: str) -> Path:
@@ -53,7 +102,10 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
 
     run_dir = out or default_run_dir(cfg.name, cfg.algorithm_name)
     try:
-        summary = run_sim(cfg, run_dir, progress=not quiet, resume=resume)
+        with _no_leftovers(run_dir):
+            summary = run_sim(cfg, run_dir, progress=not quiet, resume=resume)
+    except BadInput:
+        raise
     except (ValueError, RuntimeError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -71,10 +123,14 @@ def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="th
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format=f"%(asctime)s %(levelname)s [{peer}] %(name)s: %(message)s")
     cfg = _load(config, set)
+    _check_peer(cfg, peer, certs, insecure)
     from p2pfl.standalone import node_main
 
     try:
-        code = node_main(cfg, peer, out, certs, insecure, threads)
+        with _no_leftovers(out, empty_only=True):
+            code = node_main(cfg, peer, out, certs, insecure, threads)
+    except BadInput:
+        raise
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -93,7 +149,11 @@ def launch(config: ConfigOpt, out: Annotated[Path | None, typer.Option(help="run
 
     run_dir = out or default_run_dir(cfg.name, cfg.algorithm_name + "-launch")
     try:
-        summary = run_launch(config, cfg, run_dir, list(set or []), insecure=insecure, timeout_s=timeout, verbose=verbose)
+        with _no_leftovers(run_dir):
+            summary = run_launch(config, cfg, run_dir, list(set or []), insecure=insecure, timeout_s=timeout,
+                                 verbose=verbose)
+    except BadInput:
+        raise
     except (ValueError, RuntimeError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -110,15 +170,15 @@ def certs(config: ConfigOpt, out: Annotated[Path, typer.Option(help="folder for 
     """Make a CA and one certificate per peer id of CONFIG's topology (mutual TLS)."""
     cfg = _load(config, set)
     from p2pfl.security.certs import make_certs
-    from p2pfl.topology import TopologyError, load_topology
+    from p2pfl.topology import load_topology
 
+    topo = load_topology(cfg.topology)  # peer ids were checked with the config (no 'ca', no odd names)
+    hosts = {pid: [topo.address(pid).rpartition(":")[0].strip("[]"), *(host or [])] for pid in topo.ids}
     try:
-        topo = load_topology(cfg.topology)
-    except TopologyError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    hosts = {pid: [topo.address(pid).rpartition(":")[0], *(host or [])] for pid in topo.ids}
-    make_certs(list(topo.ids), out, hosts=hosts)
+        with _no_leftovers(out):
+            make_certs(list(topo.ids), out, hosts=hosts)
+    except ValueError as exc:
+        raise BadInput(str(exc), source=str(config)) from None
     typer.echo(f"wrote CA and {len(topo.ids)} peer certificates to {out}")
 
 
@@ -138,6 +198,53 @@ def health(address: Annotated[str, typer.Argument(help="host:port of a peer")],
         raise typer.Exit(2) from None
     typer.echo("SERVING" if ok else "NOT SERVING")
     raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def algorithms(name: Annotated[str | None, typer.Argument(help="one algorithm (default: all)")] = None) -> None:
+    """List the algorithms with their hyperparameters, defaults, accepted values and paper presets."""
+    from p2pfl.algorithms.hyperparameters import algorithm_table, describe
+    from p2pfl.algorithms.presets import presets_for
+
+    rows = algorithm_table()
+    if name is not None:
+        describe(name)  # BadInput with the list of algorithms for an unknown name
+        rows = [r for r in rows if r[0] == name]
+    for algo, shares, doc in rows:
+        typer.echo(f"{algo}  (shares: {shares}) {doc}")
+        for key, default, accepted in describe(algo):
+            typer.echo(f"    {key:<18} default {default!r:<12} {accepted}")
+        presets = presets_for(algo)
+        typer.echo(f"    presets: {', '.join(presets) if presets else '-'}")
+
+
+@app.command()
+def models() -> None:
+    """List the models (``model.name``) and the extra parameters each accepts."""
+    import inspect
+
+    from p2pfl.models import model_names
+    from p2pfl.models.registry import _REGISTRY, model_parameters
+
+    for name in model_names():
+        sig = inspect.signature(_REGISTRY[name].__init__).parameters
+        params = ", ".join(f"{p}={sig[p].default!r}" for p in model_parameters(name)) or "-"
+        typer.echo(f"{name:<10} params: {params}")
+
+
+@app.command()
+def datasets() -> None:
+    """List the datasets (``data.dataset``), their parameters and the partition kinds."""
+    from p2pfl.data.datasets import KNOWN_DATASETS, dataset_parameters
+    from p2pfl.data.partition import PARTITION_KINDS, partition_parameters
+
+    for name in KNOWN_DATASETS:
+        params = ", ".join(f"{k}={v!r}" for k, v in dataset_parameters(name).items()) or "-"
+        typer.echo(f"{name:<14} params: {params}")
+    typer.echo("partitions (data.partition.kind):")
+    for kind in PARTITION_KINDS:
+        keys, required = partition_parameters(kind)
+        typer.echo(f"    {kind:<20} {', '.join(keys)}" + (f"  (required: {required})" if required else ""))
 
 
 def print_summary(summary: dict, run_dir: Path) -> None:
@@ -161,9 +268,13 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 
 # Commands whose modules are heavy (flwr, grpc) are registered only when invoked (or for --help),
 # so `p2pfl simulate` does not pay for importing Flower. name -> (module, function)
+#: Packages a lazy command may need that an install can leave out (the peer image has no Flower).
+OPTIONAL_STACKS = frozenset({"flwr", "torchvision", "matplotlib"})
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "flower": ("peers.flower", "flower_command"),
     "compose": ("p2pfl.deploy.compose", "compose_command"),
+    "k8s": ("p2pfl.deploy.k8s", "k8s_command"),
+    "watch": ("p2pfl.watch", "watch_command"),
     "sweep": ("p2pfl.sweep_cli", "sweep_command"),
     "report": ("p2pfl.sweep_cli", "report_command"),
 }
@@ -185,15 +296,48 @@ def _mount(argv: list[str] | None = None) -> None:
     for name in wanted:
         if name not in have:
             module, func = LAZY_COMMANDS[name]
-            app.command(name)(getattr(importlib.import_module(module), func))
+            try:
+                mod = importlib.import_module(module)
+            except ModuleNotFoundError as exc:
+                # The peer image has no Flower (docker/peer_requirements.py): `p2pfl --help` lists the rest.
+                if (args and args[0] == name) or (exc.name or "").split(".")[0] not in OPTIONAL_STACKS:
+                    raise
+                continue
+            app.command(name)(getattr(mod, func))
 
 
-def main() -> None:
-    _mount()
+def main(argv: list[str] | None = None) -> None:
+    """Entry point. Bad input anywhere (config, topology, options) is one line on stderr and exit 2;
+    ``--debug`` (anywhere on the line, or ``P2PFL_DEBUG=1``) adds the traceback."""
+    import click
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("P2PFL_DEBUG") == "1"
+    args = [a for a in args if a != "--debug"]
+    if debug:
+        os.environ["P2PFL_DEBUG"] = "1"  # child `p2pfl node` processes of launch inherit it
+    _mount(args)
+    if not args:
+        app(args=args, prog_name="p2pfl")  # no arguments: the help text
+        return
     try:
-        app()
+        code = app(args=args, prog_name="p2pfl", standalone_mode=False)
+    except BadInput as exc:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except click.exceptions.UsageError as exc:
+        cmd = exc.ctx.command_path if exc.ctx is not None else "p2pfl"
+        typer.echo(f"error: {cmd}: {exc.format_message()} (see {cmd} --help)", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except click.exceptions.Abort:
+        sys.exit(130)
     except KeyboardInterrupt:
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

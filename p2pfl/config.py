@@ -3,53 +3,155 @@
 A config names the topology, dataset, partition, model, algorithm (with its hyperparameters),
 rounds, seed and device. Every command that takes a config accepts ``--set a.b=VALUE`` (VALUE is
 parsed as YAML, so ``--set rounds=3`` is an int and ``--set algorithm.name=local`` a string).
-A bad config is refused with a message naming the key; nothing is started.
+
+The schema is typed (pydantic): one model per section below (``DataConfig``, ``NetworkConfig``,
+``SimulationConfig``, ``CheckpointConfig``), each the single place that declares its keys, types,
+ranges and defaults. To add a key, add a field to its section (with a ``Field`` range); it is then
+parsed, range-checked, refused when misspelled (with a close match) and listed in errors. The
+algorithm's hyperparameters have their own per-algorithm schema (``p2pfl.algorithms.hyperparameters``).
+
+`load_config` validates the *whole* experiment before anything is written or started: the schema,
+the algorithm's hyperparameters (types, ranges, cross-field rules), model, dataset, partition,
+``data.root`` and the topology file. A bad config is refused with one `ConfigError` line
+``FILE: KEY: problem; allowed: ...``.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from p2pfl.badinput import BadInput, shorten, suggest
 
 
-class ConfigError(ValueError):
-    """A config file or override is malformed; the message names the key."""
+class ConfigError(BadInput):
+    """A config file or override is malformed; the message names the file and key."""
 
 
-TOP_KEYS = {
-    "name", "seed", "rounds", "device", "topology", "data", "model", "algorithm",
-    "network", "simulation", "eval_every", "checkpoint",
-}
-DATA_KEYS = {"dataset", "root", "partition", "batch_size", "params"}
-NETWORK_KEYS = {"round_timeout_s", "quorum", "max_message_mb", "chunk_kb", "insecure",
-                "certs"}
-SIMULATION_KEYS = {"workers"}
-CHECKPOINT_KEYS = {"enabled", "every"}
+# ---- typed building blocks ---------------------------------------------------------------------
+
+# YAML 1.1 reads ``1e-3`` (no dot) as a string; accept such numbers where a float is expected.
+_SCI = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
-@dataclass(frozen=True)
-class DataConfig:
+def yaml_number(value: Any) -> Any:
+    """``"1e-3"`` -> 0.001 (YAML 1.1 leaves it a string); anything else unchanged for the schema."""
+    if isinstance(value, str) and _SCI.match(value.strip()):
+        return float(value)
+    return value
+
+
+#: A finite float (ints accepted, ``1e-3`` strings read as numbers, bools refused).
+Number = Annotated[float, BeforeValidator(yaml_number), Field(allow_inf_nan=False)]
+
+
+class Section(BaseModel):
+    """A config section: unknown keys refused, no silent coercion of strings to numbers, immutable."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class DataConfig(Section):
     dataset: str
-    partition: dict[str, Any]
-    batch_size: int = 32
+    partition: dict[str, Any] = Field(default_factory=lambda: {"kind": "iid"})
+    batch_size: Annotated[int, Field(ge=1, le=1_000_000)] = 32
     root: str | None = None
-    params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] = Field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class NetworkConfig:
+class NetworkConfig(Section):
     """How a peer talks to its neighbours over gRPC (ignored by the in-memory simulation)."""
 
-    round_timeout_s: float = 60.0  # how long a peer waits for its neighbours' payloads each step
-    quorum: float = 0.0  # fraction of in-neighbours that must arrive (0: self alone is enough)
-    max_message_mb: int = 256
-    chunk_kb: int = 1024
+    round_timeout_s: Annotated[Number, Field(gt=0, le=7 * 24 * 3600)] = 60.0  # wait per step for neighbours
+    quorum: Annotated[Number, Field(ge=0, le=1)] = 0.0  # fraction of in-neighbours needed (0: self alone)
+    max_message_mb: Annotated[int, Field(ge=1, le=65536)] = 256
+    chunk_kb: Annotated[int, Field(ge=1, le=65536)] = 1024
     insecure: bool = False
     certs: str | None = None  # folder made by `p2pfl certs`
+    # The round protocol (docs/protocol.md).
+    mode: Literal["sync", "async"] = "sync"  # sync: round barrier; async: mix the freshest payloads held
+    window: Annotated[int, Field(ge=1, le=64)] = 2  # past rounds a peer keeps serving (bounded skew)
+    probe_s: Annotated[Number, Field(gt=0, le=3600)] = 2.0  # wait for a neighbour marked down (short probe)
+    max_staleness: Annotated[int, Field(ge=0, le=1000)] = 4  # async: older payloads (in rounds) are dropped
+    staleness_exp: Annotated[Number, Field(ge=0, le=16)] = 1.0  # async: weight ~ w_ij * (1 + s) ** -exp
+    # Experiments only: make a peer this many times slower (sleeps after training), e.g. {p3: 3.0}.
+    slowdown: dict[str, Annotated[Number, Field(ge=1, le=1000)]] = Field(default_factory=dict)
+
+
+class SimulationConfig(Section):
+    workers: Annotated[int, Field(ge=1, le=4096)] = 2
+    # exact: each peer runs the Node loop (bitwise equal to launch/compose); batched: all peers as
+    # one stack of tensors, one vectorized step (p2pfl/engine/batched.py; equal up to float rounding).
+    engine: Literal["exact", "batched"] = "exact"
+
+
+class CheckpointConfig(Section):
+    enabled: bool = True
+    every: Annotated[int, Field(ge=1, le=1_000_000)] = 1
+
+
+class _Named(BaseModel):
+    """``model`` / ``algorithm``: a name plus free parameters (checked against the named thing)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+
+
+class ConfigFile(Section):
+    """The whole file. Sections with defaults may be left out."""
+
+    name: str = "experiment"
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+    rounds: Annotated[int, Field(ge=1, le=10_000_000)] = 10
+    device: str = "cpu"
+    topology: str
+    data: DataConfig
+    model: _Named
+    algorithm: _Named
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+    simulation: SimulationConfig = Field(default_factory=SimulationConfig)
+    eval_every: Annotated[int, Field(ge=1, le=10_000_000)] = 1
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v in {"cpu", "cuda", "auto"} or re.fullmatch(r"cuda:\d{1,3}", v):
+            return v
+        raise ValueError("device: allowed: cpu, cuda, cuda:N, auto")
+
+
+class SharingConfig(Section):
+    """What of a ClientApp's state never leaves the peer (everything else is gossiped)."""
+
+    personal: list[str] = Field(default_factory=list)  # state-dict key prefixes
+
+
+class AppConfigFile(ConfigFile):
+    """A config whose peers run a Flower ClientApp (``app``) instead of a built-in model and algorithm.
+
+    The app brings its model, data and local rule, so ``model`` and ``algorithm`` are refused
+    and ``data`` is optional (unused by p2pfl); see ``p2pfl.flower.clientapp``.
+    """
+
+    app: str  # "package.module:attr" of a flwr.clientapp.ClientApp
+    app_init: str  # "package.module:attr": the initial model (nn.Module factory, state dict or ArrayRecord)
+    app_config: dict[str, Any] = Field(default_factory=dict)  # given to the app as context.run_config
+    sharing: SharingConfig = Field(default_factory=SharingConfig)
+    data: DataConfig | None = None  # type: ignore[assignment]
+    model: None = None  # type: ignore[assignment]
+    algorithm: None = None  # type: ignore[assignment]
+
+
+#: Top-level keys (derived from the schema; kept for callers that list them).
+TOP_KEYS = set(ConfigFile.model_fields)
 
 
 @dataclass(frozen=True)
@@ -69,6 +171,9 @@ class ExperimentConfig:
     eval_every: int
     checkpoint_every: int  # 0 disables checkpoints
     raw: dict[str, Any]
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    notes: tuple[str, ...] = ()  # one-line notices for the user (e.g. hyperparameters dropped by --set)
 
     @property
     def algorithm_name(self) -> str:
@@ -79,52 +184,137 @@ class ExperimentConfig:
         return {k: v for k, v in self.algorithm.items() if k != "name"}
 
 
+# ---- overrides ---------------------------------------------------------------------------------
+
+
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     """Set ``a.b.c`` in a nested dict, creating mappings on the way (what ``--set`` does)."""
     parts = key.strip().split(".")
     if not all(parts):
-        raise ConfigError(f"key {key!r} has an empty part")
+        raise ConfigError("a key part is empty", key=shorten(key))
     node = data
     for p in parts[:-1]:
         nxt = node.get(p)
         if nxt is None:
             nxt = node[p] = {}
         if not isinstance(nxt, dict):
-            raise ConfigError(f"cannot set {key!r}: {p!r} is not a mapping")
+            raise ConfigError(f"cannot set it: {p!r} is not a mapping", key=shorten(key))
         node = nxt
     node[parts[-1]] = copy.deepcopy(value)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> (key, YAML-parsed value)."""
+    if "=" not in item:
+        raise ConfigError(f"{shorten(item)!r} is not KEY=VALUE", source="--set")
+    key, _, text = item.partition("=")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"value {shorten(text)!r} is not valid YAML ({problem})", source="--set",
+                          key=shorten(key)) from None
+    return key.strip(), value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
     """Return a copy of ``data`` with ``KEY=VALUE`` overrides (dotted keys, YAML values) applied."""
     out = copy.deepcopy(data)
     for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not KEY=VALUE")
-        key, _, text = item.partition("=")
-        try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from exc
+        key, value = parse_override(item)
         try:
             set_dotted(out, key, value)
         except ConfigError as exc:
-            raise ConfigError(f"override {item!r}: {exc}") from None
+            raise exc.located("--set") from None
     return out
 
 
-def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
+def switch_algorithm(data: dict[str, Any], overrides: list[str] | None) -> tuple[dict[str, Any], list[str]]:
+    """Apply overrides; when they change ``algorithm.name``, drop the file's hyperparameters the new one lacks.
+
+    The file's hyperparameters were written for the file's algorithm: ``--set algorithm.name=X``
+    runs X with its own defaults, keeping only the file's values X also has (and everything set
+    on the command line). Returns (config, notes) where notes say which keys were dropped.
+    """
+    out = apply_overrides(data, overrides)
+    file_algo = data.get("algorithm") if isinstance(data.get("algorithm"), dict) else {}
+    new_algo = out.get("algorithm")
+    if not isinstance(new_algo, dict) or new_algo.get("name") == file_algo.get("name"):
+        return out, []
+    from p2pfl.algorithms.hyperparameters import hyperparameter_names
+
+    try:
+        allowed = set(hyperparameter_names(str(new_algo.get("name"))))
+    except BadInput:
+        return out, []  # an unknown name: refused with the list of algorithms by parse_config
+    from_cli = {parse_override(s)[0].split(".", 1)[1] for s in overrides or [] if s.strip().startswith("algorithm.")}
+    dropped = [k for k in list(new_algo) if k not in ("name", *from_cli) and (k not in allowed or k == "preset")
+               and k in file_algo]
+    for k in dropped:
+        new_algo.pop(k)
+    notes = []
+    if dropped:
+        notes.append(f"algorithm.name={new_algo['name']} (--set): dropped {file_algo.get('name')}'s "
+                     f"{', '.join(dropped)} from the file; {new_algo['name']} uses its own defaults")
+    return out, notes
 
 
-def _mapping(d: dict[str, Any], key: str, allowed: set[str] | None = None) -> dict[str, Any]:
-    val = d.get(key) or {}
-    _need(isinstance(val, dict), f"config key {key!r} must be a mapping")
-    if allowed is not None:
-        unknown = set(val) - allowed
-        _need(not unknown, f"unknown keys under {key!r}: {sorted(unknown)} (allowed: {sorted(allowed)})")
-    return val
+# ---- validation ----------------------------------------------------------------------------------
+
+_PHRASES = {
+    "missing": "missing (required)",
+    "bool_type": "must be true or false",
+    "int_type": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "finite_number": "must be a finite number",
+    "string_type": "must be a string",
+    "dict_type": "must be a mapping",
+    "model_type": "must be a mapping",
+    "model_attributes_type": "must be a mapping",
+}
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the section at ``loc`` (for 'unknown key' messages)."""
+    for part in loc:
+        fld = model.model_fields.get(str(part))
+        ann = getattr(fld, "annotation", None) if fld else None
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            break
+    return list(model.model_fields)
+
+
+def from_validation_error(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> ConfigError:
+    """The first pydantic error as one ConfigError line naming the dotted key."""
+    err = exc.errors(include_url=False)[0]
+    loc = tuple(err["loc"])
+    key = ".".join(str(p) for p in (prefix, *loc) if p != "")
+    typ, ctx = err["type"], err.get("ctx") or {}
+    got = err.get("input")
+    shown = "" if typ == "missing" else f", got {shorten(repr(got), 60)}"
+    if typ == "extra_forbidden":
+        allowed = _allowed_keys(model, loc[:-1])
+        close = suggest(loc[-1], allowed)
+        return ConfigError("unknown key", key=key, allowed=allowed,
+                           hint=f"did you mean {close!r}?" if close else None)
+    if isinstance(got, float) and not math.isfinite(got):
+        return ConfigError(f"must be a finite number{shown}", key=key)
+    if typ in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        op = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[typ]
+        bound = next(iter(ctx.values()))
+        return ConfigError(f"must be {op} {bound}{shown}", key=key)
+    if typ == "literal_error":
+        return ConfigError(f"not an allowed value{shown}", key=key, allowed=ctx.get("expected", ""))
+    if typ == "value_error":
+        msg = str(ctx.get("error", err["msg"]))
+        head, _, allowed = msg.partition("allowed: ")
+        return ConfigError(f"not an allowed value{shown}", key=key, allowed=allowed or None) if allowed \
+            else ConfigError(f"{msg}{shown}", key=key)
+    phrase = _PHRASES.get(typ) or err["msg"].replace("Input should be", "must be")
+    return ConfigError(f"{phrase}{shown}", key=key)
 
 
 def resolve_path(path: str, base: Path | None) -> str:
@@ -136,62 +326,131 @@ def resolve_path(path: str, base: Path | None) -> str:
     return str(cand) if cand.exists() else str(p)
 
 
-def parse_config(data: dict[str, Any], base: Path | None = None) -> ExperimentConfig:
-    """Validate a config dict (overrides already applied) and resolve presets."""
-    _need(isinstance(data, dict), "config must be a YAML mapping")
-    unknown = set(data) - TOP_KEYS
-    _need(not unknown, f"unknown top-level config keys: {sorted(unknown)} (allowed: {sorted(TOP_KEYS)})")
-    for key in ("topology", "data", "model", "algorithm"):
-        _need(key in data and data[key] is not None, f"config is missing {key!r}")
-    seed = data.get("seed", 0)
-    rounds = data.get("rounds", 10)
-    _need(isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0, "'seed' must be an integer >= 0")
-    _need(isinstance(rounds, int) and not isinstance(rounds, bool) and rounds >= 1, "'rounds' must be an integer >= 1")
-    device = str(data.get("device", "cpu"))
-    _need(device in {"cpu", "cuda", "auto"} or device.startswith("cuda:"), f"'device' must be cpu, cuda or auto, not {device!r}")
-    topo = data["topology"]
-    _need(isinstance(topo, str), "'topology' must be the path of a topology file")
+def parse_config(data: dict[str, Any], base: Path | None = None, *, check_files: bool = True) -> ExperimentConfig:
+    """Validate a config dict (overrides already applied), resolve presets, check the whole experiment.
 
-    d = _mapping(data, "data", DATA_KEYS)
-    _need(isinstance(d.get("dataset"), str), "'data.dataset' must name a dataset")
-    part = d.get("partition", {"kind": "iid"})
-    _need(isinstance(part, dict) and isinstance(part.get("kind"), str), "'data.partition' must be a mapping with 'kind'")
-    bs = d.get("batch_size", 32)
-    _need(isinstance(bs, int) and bs >= 1, "'data.batch_size' must be an integer >= 1")
-    params = d.get("params") or {}
-    _need(isinstance(params, dict), "'data.params' must be a mapping")
-    data_cfg = DataConfig(dataset=d["dataset"], partition=dict(part), batch_size=bs, root=d.get("root"), params=dict(params))
-
-    model = _mapping(data, "model")
-    _need(isinstance(model.get("name"), str), "'model.name' must name a model")
-    algo = _mapping(data, "algorithm")
-    _need(isinstance(algo.get("name"), str), "'algorithm.name' must name an algorithm")
-    algo = resolve_preset(algo)
-
-    net = _mapping(data, "network", NETWORK_KEYS)
+    ``check_files=False`` skips what needs files on disk (topology, data.root), e.g. for a config
+    generated before its topology.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError("a config must be a YAML mapping of keys to values")
+    if "app" in data:
+        return _parse_app_config(data, base, check_files)
     try:
-        network = NetworkConfig(**net)
-    except TypeError as exc:  # pragma: no cover - keys are checked above
-        raise ConfigError(f"network: {exc}") from exc
-    _need(float(network.round_timeout_s) > 0, "'network.round_timeout_s' must be > 0")
-    _need(0.0 <= float(network.quorum) <= 1.0, "'network.quorum' must be in [0, 1]")
+        parsed = ConfigFile.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc, ConfigFile) from None
 
-    sim = _mapping(data, "simulation", SIMULATION_KEYS)
-    workers = sim.get("workers", 2)
-    _need(isinstance(workers, int) and workers >= 1, "'simulation.workers' must be an integer >= 1")
-    ev = data.get("eval_every", 1)
-    _need(isinstance(ev, int) and ev >= 1, "'eval_every' must be an integer >= 1")
-    ck = _mapping(data, "checkpoint", CHECKPOINT_KEYS)
-    ck_every = int(ck.get("every", 1)) if ck.get("enabled", True) else 0
+    from p2pfl.algorithms.hyperparameters import check_hyperparameters
+
+    algo = resolve_preset(dict(parsed.algorithm.model_dump()))
+    algo = {"name": algo["name"], **check_hyperparameters(algo["name"], {k: v for k, v in algo.items() if k != "name"})}
+    _check_model(parsed.model.model_dump())
+    _check_data(parsed.data, base, check_files)
 
     raw = copy.deepcopy(data)
     raw["algorithm"] = algo
-    raw["topology"] = resolve_path(topo, base)
+    raw["topology"] = resolve_path(parsed.topology, base)
+    if check_files:
+        _check_topology(raw["topology"])
+    ck = parsed.checkpoint
     return ExperimentConfig(
-        name=str(data.get("name", "experiment")), seed=seed, rounds=rounds, device=device,
-        topology=raw["topology"], data=data_cfg, model=dict(model), algorithm=algo, network=network,
-        workers=workers, eval_every=ev, checkpoint_every=ck_every, raw=raw,
+        name=parsed.name, seed=parsed.seed, rounds=parsed.rounds, device=parsed.device,
+        topology=raw["topology"], data=parsed.data, model=dict(parsed.model.model_dump()), algorithm=algo,
+        network=parsed.network, workers=parsed.simulation.workers, eval_every=parsed.eval_every,
+        checkpoint_every=ck.every if ck.enabled else 0, raw=raw, simulation=parsed.simulation, checkpoint=ck,
     )
+
+
+def _parse_app_config(data: dict[str, Any], base: Path | None, check_files: bool) -> ExperimentConfig:
+    """A ClientApp config: the common keys as usual; the app's own (model, data, rule) are the app's business."""
+    try:
+        parsed = AppConfigFile.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc, AppConfigFile) from None
+    for key in ("app", "app_init"):
+        module, sep, attr = getattr(parsed, key).partition(":")
+        if not (module and sep and attr):
+            raise ConfigError(f"{shorten(getattr(parsed, key))!r} is not 'package.module:attr'", key=key)
+    raw = copy.deepcopy(data)
+    raw["algorithm"] = {"name": "clientapp"}
+    raw["topology"] = resolve_path(parsed.topology, base)
+    if check_files:
+        _check_topology(raw["topology"])
+    ck = parsed.checkpoint
+    return ExperimentConfig(
+        name=parsed.name, seed=parsed.seed, rounds=parsed.rounds, device=parsed.device,
+        topology=raw["topology"], data=parsed.data, model={}, algorithm=raw["algorithm"],  # type: ignore[arg-type]
+        network=parsed.network, workers=parsed.simulation.workers, eval_every=parsed.eval_every,
+        checkpoint_every=ck.every if ck.enabled else 0, raw=raw, simulation=parsed.simulation, checkpoint=ck,
+    )
+
+
+def _check_model(model: dict[str, Any]) -> None:
+    from p2pfl.models import model_names
+    from p2pfl.models.registry import model_parameters
+
+    name = model["name"]
+    if name not in model_names():
+        close = suggest(name, model_names())
+        raise ConfigError(f"unknown model {shorten(name)!r}", key="model.name", allowed=model_names(),
+                          hint=f"did you mean {close!r}?" if close else None)
+    accepted = model_parameters(name)
+    for k in model:
+        if k != "name" and k not in accepted:
+            close = suggest(k, accepted)
+            raise ConfigError(f"not a parameter of model {name}", key=f"model.{k}", allowed=accepted or "none",
+                              hint=f"did you mean {close!r}?" if close else None)
+
+
+def _check_data(d: DataConfig, base: Path | None, check_files: bool) -> None:
+    from p2pfl.data.datasets import KNOWN_DATASETS, dataset_parameters
+    from p2pfl.data.partition import partition_parameters
+
+    try:
+        allowed_params = dataset_parameters(d.dataset)
+    except KeyError:
+        close = suggest(d.dataset, KNOWN_DATASETS)
+        raise ConfigError(f"unknown dataset {shorten(d.dataset)!r}", key="data.dataset", allowed=KNOWN_DATASETS,
+                          hint=f"did you mean {close!r}?" if close else None) from None
+    for k in d.params:
+        if k not in allowed_params:
+            raise ConfigError(f"not a parameter of dataset {d.dataset}", key=f"data.params.{k}",
+                              allowed=sorted(allowed_params) or "none")
+    kind = d.partition.get("kind", "iid")
+    try:
+        allowed, required = partition_parameters(kind)
+    except KeyError:
+        from p2pfl.data.partition import PARTITION_KINDS
+
+        close = suggest(kind, PARTITION_KINDS)
+        raise ConfigError(f"unknown partition kind {shorten(repr(kind))}", key="data.partition.kind",
+                          allowed=PARTITION_KINDS, hint=f"did you mean {close!r}?" if close else None) from None
+    for k, v in d.partition.items():
+        if k == "kind":
+            continue
+        if k not in allowed:
+            close = suggest(k, allowed)
+            raise ConfigError(f"not a parameter of the {kind} partition", key=f"data.partition.{k}",
+                              allowed=sorted(allowed), hint=f"did you mean {close!r}?" if close else None)
+        if v is not None and (isinstance(v, bool) and k != "balance" or not isinstance(v, int | float | bool)
+                              or isinstance(v, float) and not math.isfinite(v)):
+            raise ConfigError(f"must be a finite number, got {shorten(repr(v), 60)}", key=f"data.partition.{k}")
+    if required and d.partition.get(required) is None:
+        raise ConfigError(f"the {kind} partition needs {required}", key=f"data.partition.{required}")
+    if d.root is not None and check_files:
+        root = Path(resolve_path(d.root, base))
+        if not root.is_dir():
+            raise ConfigError(f"folder {shorten(d.root)!r} does not exist" if not root.exists()
+                              else f"{shorten(d.root)!r} is not a folder", key="data.root")
+
+
+def _check_topology(path: str) -> None:
+    from p2pfl.topology import load_topology
+
+    if not Path(path).is_file():
+        raise ConfigError(f"topology file {shorten(path)!r} not found", key="topology")
+    load_topology(path)  # TopologyError names the topology file itself
 
 
 def resolve_preset(algo: dict[str, Any]) -> dict[str, Any]:
@@ -200,25 +459,43 @@ def resolve_preset(algo: dict[str, Any]) -> dict[str, Any]:
     preset = algo.pop("preset", None)
     if preset is None:
         return algo
-    from p2pfl.algorithms.presets import all_presets
+    from p2pfl.algorithms.presets import all_presets, presets_for
 
-    PRESETS = all_presets()  # noqa: N806
-    if preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r} (known: {sorted(PRESETS)})")
-    merged = {**PRESETS[preset], **algo}
+    presets = all_presets()
+    if preset not in presets:
+        close = suggest(preset, presets)
+        raise ConfigError(f"unknown preset {shorten(repr(preset))}", key="algorithm.preset",
+                          allowed=presets_for(str(algo.get("name"))) or sorted(presets),
+                          hint=f"did you mean {close!r}?" if close else None)
+    fitting = presets_for(str(algo.get("name")))
+    if fitting and preset not in fitting:
+        raise ConfigError(f"preset {preset!r} is not for algorithm {algo.get('name')}", key="algorithm.preset",
+                          allowed=fitting)
+    merged = {**presets[preset], **algo}
     merged["preset"] = preset
     return merged
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
-    """Read a YAML config, apply ``--set`` overrides and validate."""
+def load_config(path: str | Path, overrides: list[str] | None = None, *, check_files: bool = True,
+                ) -> ExperimentConfig:
+    """Read a YAML config (bounded loader), apply ``--set`` overrides and validate the whole experiment.
+
+    Every refusal is a `ConfigError` naming this file (or ``--set``) and the key.
+    """
+    from p2pfl.yamlsafe import YamlLimits, load_yaml_file
+
     p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"config file not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML ({exc})") from exc
+    data = load_yaml_file(p, "config file", YamlLimits(max_bytes=1 << 20, max_nodes=100_000))
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: config must be a YAML mapping")
-    return parse_config(apply_overrides(data, overrides), base=p.parent)
+        raise ConfigError("a config must be a YAML mapping of keys to values", source=str(p))
+    from_cli = {parse_override(s)[0] for s in overrides or [] if "=" in s}
+    merged, notes = switch_algorithm(data, overrides)
+    try:
+        cfg = parse_config(merged, base=p.parent, check_files=check_files)
+    except BadInput as exc:
+        if exc.key and exc.key in from_cli:
+            exc.source = exc.source or "--set"
+        raise exc.located(str(p)) from None
+    if notes:
+        cfg = ExperimentConfig(**{**cfg.__dict__, "notes": tuple(notes)})
+    return cfg

@@ -31,7 +31,7 @@ def sweep_command(
         result = run_sweep(spec, out, jobs=jobs, dry_run=dry_run, progress=not quiet)
     except SweepError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None  # bad input: nothing ran
     except KeyboardInterrupt:
         typer.echo("interrupted: rerun the same command to resume", err=True)
         raise typer.Exit(130) from None

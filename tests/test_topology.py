@@ -188,13 +188,13 @@ def test_valid_base_case_and_explicit_forms_parse() -> None:
         ("not a mapping", "- 1\n- 2\n", "a topology file is a mapping"),
     ],
 )
-def test_check_exits_1_with_reason(tmp_path: Path, label: str, text: str, match: str) -> None:
+def test_check_exits_2_with_reason(tmp_path: Path, label: str, text: str, match: str) -> None:
     f = tmp_path / "t.yaml"
     f.write_text(text)
     with pytest.raises(TopologyError, match=match):
         load_topology(f)
     res = CliRunner().invoke(app, ["check", str(f)])
-    assert res.exit_code == 1
+    assert res.exit_code == 2  # bad input
     assert "error: " in res.output and match in res.output
     assert "Traceback" not in res.output
 
@@ -208,7 +208,7 @@ def test_check_cli_reports_validation_errors(tmp_path: Path, data: dict[str, Any
     f = tmp_path / "bad.yaml"
     f.write_text(yaml.safe_dump(data))
     res = CliRunner().invoke(app, ["check", str(f)])
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 2, res.output  # bad input
     assert "error: " in res.output
     import re
 
@@ -217,7 +217,7 @@ def test_check_cli_reports_validation_errors(tmp_path: Path, data: dict[str, Any
 
 def test_check_missing_file() -> None:
     res = CliRunner().invoke(app, ["check", "/nonexistent/topology.yaml"])
-    assert res.exit_code == 1 and "cannot read topology file" in res.output
+    assert res.exit_code == 2 and "topology file not found" in res.output
 
 
 # ---- mixing -------------------------------------------------------------------------------------
@@ -522,7 +522,7 @@ def test_cli_gen_check_show(tmp_path: Path) -> None:
     ring_check = runner.invoke(app, ["check", str(ROOT / "topology" / "ring-8.yaml")])
     assert "doubly stochastic: yes" in ring_check.output and "edges: 8" in ring_check.output
     bad = runner.invoke(app, ["gen", "grid", "--peers", "7"])
-    assert bad.exit_code == 1 and "error: " in bad.output
+    assert bad.exit_code == 2 and "error: " in bad.output
     png = tmp_path / "ring.png"
     res = runner.invoke(app, ["show", str(ROOT / "topology" / "ring-8.yaml"), "--out", str(png)])
     assert res.exit_code == 0, res.output

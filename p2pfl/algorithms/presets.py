@@ -17,3 +17,13 @@ def all_presets() -> dict[str, dict[str, Any]]:
     for module in sorted({target.split(":")[0] for target in ALGORITHMS.values()}):
         out.update(getattr(importlib.import_module(module), "PRESETS", {}))
     return out
+
+
+def presets_for(algorithm: str) -> list[str]:
+    """The presets whose every key is a hyperparameter of ``algorithm`` (its papers' settings)."""
+    from p2pfl.algorithms import ALGORITHMS, algorithm_class
+
+    if algorithm not in ALGORITHMS:
+        return []
+    keys = set(algorithm_class(algorithm).defaults)
+    return sorted(name for name, hp in all_presets().items() if set(hp) <= keys)

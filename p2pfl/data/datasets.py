@@ -474,5 +474,13 @@ _ALIASES = {
     "cifar_100": "cifar100",
 }
 
+def dataset_parameters(name: str) -> dict[str, Any]:
+    """Dataset ``name``'s parameters with their defaults (``data.params``); KeyError if unknown."""
+    key = _ALIASES.get(name.lower().replace("-", "_"), name.lower().replace("-", "_"))
+    if key not in _LOADERS:
+        raise KeyError(name)
+    return dict(_PARAM_DEFAULTS.get(key, {}))
+
+
 #: Names ``load_dataset`` accepts.
 KNOWN_DATASETS: tuple[str, ...] = tuple(_LOADERS)

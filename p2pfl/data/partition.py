@@ -44,12 +44,14 @@ from typing import Any
 
 import numpy as np
 
+from p2pfl.badinput import BadInput
+
 __all__ = ["PARTITION_KINDS", "Partition", "PartitionError", "label_histogram", "make_partition"]
 
 _FORMAT_VERSION = 1
 
 
-class PartitionError(ValueError):
+class PartitionError(BadInput):
     """A partition cannot be made with these parameters (the message names the problem)."""
 
 
@@ -382,6 +384,11 @@ _REQUIRED = {"dirichlet": "alpha", "dirichlet_per_class": "pi", "pathological": 
 
 #: Partition kinds ``make_partition`` accepts.
 PARTITION_KINDS: tuple[str, ...] = tuple(_SPLITTERS)
+
+
+def partition_parameters(kind: str) -> tuple[list[str], str | None]:
+    """(parameter names, the required one or None) of partition ``kind``; KeyError if unknown."""
+    return [*_SPLITTERS[kind][1], "test_size"], _REQUIRED.get(kind)
 
 
 def _as_labels(a: Any, what: str) -> np.ndarray:

@@ -29,6 +29,12 @@ def model_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def model_parameters(name: str) -> list[str]:
+    """The extra keyword arguments model ``name`` accepts (what ``model.*`` keys a config may set)."""
+    return [p for p in inspect.signature(_REGISTRY[name].__init__).parameters
+            if p not in ("self", "input_shape", "num_classes")]
+
+
 def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int, **params: Any) -> nn.Module:
     """Build the zoo model ``name`` for ``(C, H, W)`` inputs and ``num_classes`` outputs.
 

@@ -27,10 +27,10 @@ _LIST_PEERS = 16
 _LIST_EDGES = 32
 
 
-def _fail(message: str) -> typer.Exit:
-    """Print ``error: <reason>`` on stderr and return the exit-1 exception (no traceback for users)."""
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    """Print ``error: <reason>`` on stderr and return the exit exception (2: bad input; no traceback)."""
     typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code=1)
+    return typer.Exit(code=code)
 
 
 def _load(path: Path) -> Topology:
@@ -203,7 +203,7 @@ def show(
     try:
         fig.savefig(out, dpi=120)
     except OSError as e:
-        raise _fail(f"cannot write {out}: {e.strerror or e}") from None
+        raise _fail(f"cannot write {out}: {e.strerror or e}", code=1) from None
     finally:
         plt.close(fig)
     typer.echo(f"wrote {out}", err=True)
