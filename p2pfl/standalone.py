@@ -8,7 +8,6 @@ resumes from its checkpoint when restarted. SIGTERM stops it cleanly between rou
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -28,11 +27,11 @@ def network_for(cfg: ExperimentConfig, certs: Path | None, insecure: bool) -> An
     """The config's network settings with the command line's TLS choice applied (never a silent fallback)."""
     net = cfg.network
     if insecure:
-        return dataclasses.replace(net, insecure=True, certs=None)
+        return net.model_copy(update={"insecure": True, "certs": None})
     certs_dir = str(certs) if certs is not None else net.certs
     if not certs_dir and not net.insecure:
         raise ValueError("no certificates: pass --certs DIR (made by `p2pfl certs`) or --insecure for plaintext")
-    return dataclasses.replace(net, certs=certs_dir)
+    return net.model_copy(update={"certs": certs_dir})
 
 
 def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path | None = None,
