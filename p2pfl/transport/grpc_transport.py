@@ -324,15 +324,13 @@ class GrpcTransport(Transport):
 
 
 def bind_address(address: str) -> str:
-    """Where to listen for a topology address: loopback stays loopback, anything else all interfaces.
-
-    A container's address (``peer-3:50051``) names the host as seen by the others; the peer itself
-    listens on every interface at that port.
+    """Where to listen for a topology address: exactly the host given when it is an IP address or
+    ``localhost`` (any case: ``LOCALHOST:PORT`` must not listen on all interfaces); every interface
+    only for a DNS name, e.g. a container's ``peer-3:50051``, which names this host as the others see it.
     """
-    host, _, port = address.rpartition(":")
-    if host in ("127.0.0.1", "localhost", "[::1]") or host.startswith("127."):
-        return address
-    return f"[::]:{port}"
+    from p2pfl.topology.address import listen_address
+
+    return listen_address(address)
 
 
 def start_grpc_peer(
