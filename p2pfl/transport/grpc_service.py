@@ -66,6 +66,12 @@ STATUS_METHOD = f"/{SERVICE}/Status"
 #: Room for the header chunk (manifest, scalars) above the data chunk size in one gRPC message.
 HEADER_SLACK = 1 << 20
 
+#: Push decisions (mixed / closed) are remembered this many rounds, to answer repeated pushes.
+DECISION_ROUNDS = 1024
+
+#: A waiting push is mixed only if its call has at least this long left to hear the answer.
+_ANSWER_MARGIN_S = 0.25
+
 _STATUS: dict[Reason, grpc.StatusCode] = {
     Reason.MISSING_HEADER: grpc.StatusCode.INVALID_ARGUMENT,
     Reason.DUPLICATE_HEADER: grpc.StatusCode.INVALID_ARGUMENT,
@@ -160,8 +166,10 @@ class _Rejected(Exception):
 class PeerServer:
     """This peer's gRPC service: published payloads for Pull, an inbox for Push, Status and health.
 
-    Memory stays bounded: payloads and inbox entries of rounds older than ``current - 1`` are
-    dropped, and each sender may have at most ``max_pending`` undelivered pushes.
+    Memory stays bounded: payloads of rounds older than ``current - window`` are dropped, each
+    sender may have at most ``max_pending`` undelivered pushes, and the push decisions remembered
+    for deduplication are those of the last ``DECISION_ROUNDS`` rounds. The round protocol
+    (window, waiting, push decisions) is explained in ``docs/protocol.md``.
     """
 
     def __init__(self) -> None:
@@ -171,6 +179,12 @@ class PeerServer:
         self._published: dict[tuple[int, int], EncodedPayload] = {}
         self._pulled_by: dict[tuple[int, int], set[str]] = {}  # who completed a Pull of each payload
         self._inbox: dict[tuple[str, int, int], tuple[Message, int]] = {}
+        # The Push call that offers each inbox entry: it is consumed only while that call can still
+        # hear the answer, so sender and receiver always agree on whether the mass moved.
+        self._offers: dict[tuple[str, int, int], grpc.ServicerContext] = {}
+        # (sender, round, step) -> True (mixed) / False (the step closed without it): a push's fate.
+        self._decided: dict[tuple[str, int, int], bool] = {}
+        self.window = 2
         self._round = 0
         self._served = 0
         self._pulls_served = 0
@@ -218,6 +232,8 @@ class PeerServer:
         max_workers: int | None = None,
         max_wait_s: float = 300.0,
         max_pending: int = 16,
+        window: int = 2,
+        start_round: int = 0,
         max_calls_per_peer: int = 8,
         max_calls_others: int = 4,
         max_call_s: float | None = None,
@@ -228,7 +244,9 @@ class PeerServer:
         ``expected_specs`` / ``scalar_keys`` describe what pushes must carry; ``seed`` and ``mode``
         let the server compute each (round, step)'s plan to authorize callers. ``max_message_mb``
         bounds one payload, ``chunk_bytes`` sizes chunks (and the per-gRPC-message limit).
-        ``max_wait_s`` caps how long a Pull without a deadline waits for a publish.
+        ``max_wait_s`` caps how long a Pull without a deadline waits for a publish. ``window``: how
+        many past rounds stay served (and how far ahead a request is waited for rather than
+        refused); ``start_round``: the round a resumed peer is at, served from the first request on.
 
         Fair service: each neighbour may hold ``max_calls_per_peer`` calls at once (Pull, Push and
         Status together; a push-mode neighbour ahead by ``window`` rounds holds ``window + 1``), all
@@ -259,6 +277,9 @@ class PeerServer:
         self.scalar_keys = frozenset(scalar_keys)
         self.chunk_bytes, self.max_bytes = int(chunk_bytes), int(max_message_mb) << 20
         self.max_wait_s, self.max_pending = float(max_wait_s), int(max_pending)
+        if window < 1 or start_round < 0:
+            raise ValueError("window must be >= 1 and start_round >= 0")
+        self.window, self._round = int(window), int(start_round)
         self._may_pull = topology.possible_out_neighbours(peer_id)
         self._may_push = topology.possible_in_neighbours(peer_id)
         self._members = frozenset(topology.ids)
@@ -360,7 +381,7 @@ class PeerServer:
             return self._round
 
     def set_round(self, round: int) -> None:
-        """Advance the current round (never backwards) and drop what is older than ``round - 1``."""
+        """Advance the current round (never backwards) and drop what is older than ``round - window``."""
         with self._cond:
             if round > self._round:
                 self._round = int(round)
@@ -368,12 +389,14 @@ class PeerServer:
             self._cond.notify_all()
 
     def _prune(self) -> None:
-        keep = self._round - 1
+        keep = self._round - self.window
         for key in [k for k in self._published if k[0] < keep]:
             del self._published[key]
             self._pulled_by.pop(key, None)
-        for key in [k for k in self._inbox if k[1] < keep]:
-            del self._inbox[key]
+        # Pending pushes are owned by their (waiting) Push calls, which notice the round moved on.
+        forget = self._round - DECISION_ROUNDS
+        for key in [k for k in self._decided if k[1] < forget]:
+            del self._decided[key]
 
     def publish(self, msg: Message) -> EncodedPayload:
         """Encode ``msg`` once and serve it to every puller of (msg.round, msg.step).
@@ -391,7 +414,7 @@ class PeerServer:
         if payload.header.total_bytes > self.max_bytes:
             raise ValueError(f"payload of {payload.header.total_bytes} bytes exceeds max_message_mb")
         with self._cond:
-            if msg.round < self._round - 1:
+            if msg.round < self._round - self.window:
                 raise ValueError(f"round {msg.round} is older than the retained window (current {self._round})")
             self._published[(msg.round, msg.step)] = payload
             if msg.round > self._round:
@@ -422,21 +445,44 @@ class PeerServer:
         with self._cond:
             return {k: v[0] for k, v in self._inbox.items()}
 
-    def take(self, keys: Sequence[tuple[str, int, int]], deadline: float) -> dict[str, tuple[Message, int]]:
+    def take(self, keys: Sequence[tuple[str, int, int]], deadline: float,
+             wait_for: Iterable[str] | None = None) -> dict[str, tuple[Message, int]]:
         """Wait until every (sender, round, step) in ``keys`` was pushed or ``deadline`` (monotonic) passes.
 
-        Returns ``{sender: (message, wire_bytes)}`` for those that arrived, removing them from the inbox.
+        Returns ``{sender: (message, wire_bytes)}`` for those that arrived, removing them from the inbox
+        and answering their Push calls "mixed". The keys that did not arrive are *closed*: their
+        pushes, now or later, are answered ABORTED, so their senders keep that mass (push-sum loses
+        none and counts none twice). ``wait_for`` (sender ids) narrows whom to wait for (e.g. not
+        for a neighbour known to be down); the others are taken only if already there.
         """
+        waited = {k for k in keys if wait_for is None or k[0] in set(wait_for)}
         out: dict[str, tuple[Message, int]] = {}
         with self._cond:
             while True:
                 for key in keys:
-                    if key[0] not in out and key in self._inbox:
+                    if key[0] not in out and key in self._inbox and self._offer_alive(key):
                         out[key[0]] = self._inbox.pop(key)
+                        self._offers.pop(key, None)
+                        self._decided[key] = True
                 left = deadline - time.monotonic()
-                if len(out) == len(keys) or self._stopping or left <= 0:
-                    return out
-                self._cond.wait(left)
+                if all(k[0] in out for k in waited) or self._stopping or left <= 0:
+                    break
+                self._cond.wait(min(left, 0.5))
+            for key in keys:
+                if key[0] not in out:
+                    self._decided.setdefault(key, False)
+            self._cond.notify_all()
+            return out
+
+    def _offer_alive(self, key: tuple[str, int, int]) -> bool:
+        """Whether the Push call offering ``key`` can still be told that it was mixed (with a margin)."""
+        ctx = self._offers.get(key)
+        if ctx is None:  # put there directly (tests, tools)
+            return True
+        if not ctx.is_active():
+            return False
+        left = ctx.time_remaining()
+        return left is None or left > _ANSWER_MARGIN_S
 
     # ---- RPC handlers ------------------------------------------------------------------------
 
@@ -529,13 +575,21 @@ class PeerServer:
         assert self.topology is not None
         return self.topology.plan(self.peer_id, round, step, seed=self.seed, mode=self.mode)
 
-    def _window_error(self, round: int) -> str | None:
-        """Why ``round`` is implausible now (older than retained, or more than one round ahead), or None."""
+    def _window_error(self, round: int) -> tuple[grpc.StatusCode, str] | None:
+        """Why ``round`` cannot be served now, with the status to answer, or None.
+
+        Older than the window: OUT_OF_RANGE (final: it will never be served again). More than
+        ``window`` rounds ahead: UNAVAILABLE (transient: the caller retries with backoff within its
+        deadline, by which time this peer may have caught up). Anything in between is waited for.
+        """
         cur = self._round
-        if round < cur - 1:
-            return f"round {round} is no longer served: this peer is at round {cur} and keeps rounds >= {cur - 1}"
-        if round > cur + 1:
-            return f"round {round} is more than one round ahead of this peer (round {cur})"
+        if round < cur - self.window:
+            return (grpc.StatusCode.OUT_OF_RANGE,
+                    f"round {round} is no longer served: this peer is at round {cur} and keeps rounds "
+                    f">= {cur - self.window}")
+        if round > cur + self.window:
+            return (grpc.StatusCode.UNAVAILABLE,
+                    f"round {round} is more than {self.window} rounds ahead of this peer (round {cur}); retry later")
         return None
 
     def _pull(self, request: peer_pb2.PullRequest, context: grpc.ServicerContext, call: Call) -> Iterator[bytes]:
@@ -555,7 +609,7 @@ class PeerServer:
         with self._cond:
             why = self._window_error(r)
         if why:
-            self._reject(context, what, caller, grpc.StatusCode.OUT_OF_RANGE, why)
+            self._reject(context, what, caller, *why)
         if caller not in self._plan(r, s).out_weights:
             self._reject(context, what, caller, grpc.StatusCode.PERMISSION_DENIED,
                          f"peer {caller!r} does not pull from {self.peer_id!r} at round {r} step {s}")
@@ -613,7 +667,10 @@ class PeerServer:
                     return None
                 why = self._window_error(key[0])
                 if why:
-                    raise _Rejected(grpc.StatusCode.OUT_OF_RANGE, why)
+                    raise _Rejected(*why)
+                if key[0] < self._round:  # a past round this peer never published (it fast-forwarded)
+                    raise _Rejected(grpc.StatusCode.OUT_OF_RANGE,
+                                    f"round {key[0]} step {key[1]} was skipped: this peer is at round {self._round}")
                 left = limit - time.monotonic()
                 if left <= 0:
                     raise _Rejected(
@@ -666,11 +723,11 @@ class PeerServer:
                          "(the peers run different topology files)")
         key = (caller, r, s)
         with self._cond:
-            why = self._window_error(r)
+            why = None if key in self._decided else self._window_error(r)
             dup = key in self._inbox
             pending = sum(1 for k in self._inbox if k[0] == caller)
         if why:
-            self._reject(context, what, caller, grpc.StatusCode.OUT_OF_RANGE, why)
+            self._reject(context, what, caller, *why)
         if dup:
             self._reject(context, what, caller, grpc.StatusCode.ALREADY_EXISTS,
                          f"a payload from {caller!r} for round {r} step {s} is already waiting")
@@ -692,17 +749,59 @@ class PeerServer:
             msg = dec.finish()
         except WireError as e:
             self._reject(context, what, caller, status_for(e), e.message)
+        mixed = self._offer(key, msg, dec.wire_bytes, context)
+        if isinstance(mixed, _Rejected):
+            self._reject(context, what, caller, mixed.code, mixed.message)
+        return peer_pb2.PushReply(bytes_received=dec.wire_bytes if mixed else 0)
+
+    def _offer(self, key: tuple[str, int, int], msg: Message, nbytes: int,
+               context: grpc.ServicerContext) -> bool | _Rejected:
+        """Put a validated push in the inbox and wait for its fate; True: mixed (now or before).
+
+        The answer is the receiver's decision, so the sender knows whether to keep the mass: OK =
+        mixed (a repeat of an already mixed push is answered OK again, with 0 bytes: dedupe by
+        (sender, round, step)); ABORTED = the step closed without it. A call that ends first (its
+        deadline, a cancel, shutdown) withdraws the offer, so an unanswered push is never mixed.
+        """
+        _, r, s = key
+        remaining = context.time_remaining()
+        limit = time.monotonic() + (self.max_wait_s if remaining is None else min(remaining, self.max_wait_s))
+        context.add_callback(self._wake)
         with self._cond:
+            if key in self._decided:
+                if self._decided[key]:
+                    return False
+                return _Rejected(grpc.StatusCode.ABORTED, f"round {r} step {s} was mixed without this payload")
+            if key in self._inbox:
+                return _Rejected(grpc.StatusCode.ALREADY_EXISTS,
+                                 f"a payload from {key[0]!r} for round {r} step {s} is already waiting")
             why = self._window_error(r)
-            if not why and key in self._inbox:
-                why = f"a payload from {caller!r} for round {r} step {s} is already waiting"
-            if not why:
-                self._inbox[key] = (msg, dec.wire_bytes)
-                self._cond.notify_all()
-        if why:
-            code = grpc.StatusCode.ALREADY_EXISTS if "already" in why else grpc.StatusCode.OUT_OF_RANGE
-            self._reject(context, what, caller, code, why)
-        return peer_pb2.PushReply(bytes_received=dec.wire_bytes)
+            if why:
+                return _Rejected(*why)
+            self._inbox[key] = (msg, nbytes)
+            self._offers[key] = context
+            self._cond.notify_all()
+            try:
+                while True:
+                    fate = self._decided.get(key)
+                    if fate is True:
+                        return True
+                    if fate is False:
+                        return _Rejected(grpc.StatusCode.ABORTED, f"round {r} step {s} was mixed without this payload")
+                    if self._stopping:
+                        return _Rejected(grpc.StatusCode.UNAVAILABLE, f"peer {self.peer_id!r} is shutting down")
+                    if r < self._round:  # every planned key of a past round was decided; this one never will be
+                        return _Rejected(grpc.StatusCode.OUT_OF_RANGE, f"round {r} is over on this peer "
+                                         f"(round {self._round}); the payload was not mixed")
+                    left = limit - time.monotonic()
+                    if not context.is_active() or left <= 0:
+                        return _Rejected(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         f"round {r} step {s} was not mixed before the call's deadline")
+                    self._cond.wait(min(left, 1.0))
+            finally:
+                if self._inbox.get(key) is not None and self._decided.get(key) is not True:
+                    self._inbox.pop(key, None)
+                self._offers.pop(key, None)
 
     def _status(self, request: peer_pb2.StatusRequest, context: grpc.ServicerContext, call: Call) -> peer_pb2.StatusReply:
         if self.tls is not None:  # (plaintext callers have no identity to check)

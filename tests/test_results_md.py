@@ -1,0 +1,68 @@
+"""The reproduction report's rules: verdicts from mean ± std, the flattening check, evidence collection."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2pfl.config import load_config
+from p2pfl.simulation import simulate
+from tests.conftest import tiny_config
+
+_spec = importlib.util.spec_from_file_location("results_md", Path(__file__).parents[1] / "bench/reproduce/results_md.py")
+assert _spec and _spec.loader
+rmd = importlib.util.module_from_spec(_spec)
+sys.modules["results_md"] = rmd  # dataclasses look their module up
+_spec.loader.exec_module(rmd)
+
+
+def test_difference_within_the_seeds_spread_is_not_distinguishable() -> None:
+    assert rmd.distinguishable((90.0, 0.5), (89.2, 0.4)) is False  # 0.8 <= 0.9
+    assert rmd.distinguishable((90.0, 0.3), (89.2, 0.4)) is True  # 0.8 > 0.7
+    assert rmd.distinguishable((90.0, None), (80.0, 0.1)) is None  # one seed: no spread, no verdict
+    assert rmd.vs_paper(96.5, 0.1, 96.66, 0.2).startswith("not distinguishable")
+    assert "outside" in rmd.vs_paper(80.0, 0.5, 96.66, 0.2)
+    assert "within the 4-point" in rmd.vs_paper(93.0, 0.5, 96.66, 0.2)
+    assert rmd.vs_paper(None, None, 96.66, 0.2) == rmd.NOT_RUN
+
+
+def test_orderings_use_mean_and_std() -> None:
+    def cell(case: str, mean: float | None, std: float | None) -> dict:
+        return {"table": "t", "graph": "ring", "pi": 0.1, "case": case, "method": case, "ours_mean": mean,
+                "ours_std": std}
+
+    out = rmd.orderings([cell("deprl-epochs", 90.0, 0.2), cell("dispfl", 89.9, 0.3), cell("dpsgd", None, None)])
+    res = {o["claim"]: o["result"] for o in out}
+    assert res == {"deprl-epochs > dispfl": "not distinguishable", "dispfl > dpsgd": rmd.NOT_RUN,
+                   "deprl-epochs > dpsgd": rmd.NOT_RUN}
+    out = rmd.orderings([cell("deprl-epochs", 80.0, 0.2), cell("dispfl", 85.0, 0.3), cell("dpsgd", 70.0, 1.0)])
+    assert {o["claim"]: o["result"] for o in out}["deprl-epochs > dispfl"] == "fails"
+
+
+def test_flattened_compares_the_last_fifth_of_the_rounds() -> None:
+    rising = [[(r, 0.5 + 0.01 * r) for r in range(0, 100, 5)]]
+    flat = [[(r, 0.9 - (0.001 if r == 95 else 0.0)) for r in range(0, 100, 5)],
+            [(r, 0.9) for r in range(0, 100, 5)]]
+    assert rmd.flattened(rising, 100)[0] is False
+    assert rmd.flattened(flat, 100)[0] is True
+
+
+@pytest.mark.timeout(120)
+def test_collect_copies_evidence_without_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sweep = rmd.SWEEPS[0]
+    cell = tmp_path / "runs" / sweep.folder / "deprl-epochs__seed=0"
+    simulate(load_config(tiny_config(tmp_path, rounds=1)), cell, progress=False)
+    evidence = tmp_path / "evidence"
+    assert rmd.collect(tmp_path / "runs", evidence) == [f"{sweep.folder}/deprl-epochs__seed=0"]
+    dst = evidence / sweep.folder / "deprl-epochs__seed=0"
+    assert sorted(p.name for p in dst.iterdir()) == ["avg_model.json", "config.yaml", "metrics.jsonl.gz",
+                                                     "partition.json.gz", "summary.json"]
+    with gzip.open(dst / "metrics.jsonl.gz", "rt") as f:
+        assert f.read() == (cell / "metrics.jsonl").read_text()
+    assert 0.0 <= json.loads((dst / "avg_model.json").read_text())["acc"] <= 1.0
+    assert rmd.collect(tmp_path / "runs", evidence) == []  # unchanged runs are not copied again
