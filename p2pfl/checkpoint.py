@@ -50,3 +50,42 @@ def load_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> tup
     state = PeerState(peer_id=meta["peer"], params=params, extra=extra,
                       scalars={k: float(v) for k, v in meta["scalars"].items()}, round=int(meta["round"]))
     return state, rng, meta
+
+
+def checkpoint_info(path: str | Path) -> tuple[int, dict | None]:
+    """(round it resumes at, last record stored with it); (0, None) when there is none. No tensors loaded."""
+    path = Path(path)
+    if not path.exists():
+        return 0, None
+    with np.load(path, allow_pickle=False) as z:
+        meta = json.loads(bytes(z["meta"]).decode())
+    rec = meta.get("record")
+    return int(meta["round"]), (rec if isinstance(rec, dict) else None)
+
+
+def reconcile_metrics(path: str | Path, round: int, record: dict | None) -> int:
+    """Make a peer's ``metrics.jsonl`` hold exactly rounds ``< round`` once each, for a resume at ``round``.
+
+    A node writes its checkpoint (carrying the round's record) before the metrics line, so a kill
+    can leave the metrics one record short (restored here from ``record``) or, with checkpoints
+    every k rounds, ahead of the checkpoint (those records are dropped: the rounds are redone).
+    Duplicates are dropped too. Rewritten atomically (temporary file + rename); returns the
+    number of records kept.
+    """
+    path = Path(path)
+    recs: dict[int, str] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                r = int(rec["round"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line torn by the kill
+            if r < round and r not in recs:
+                recs[r] = json.dumps(rec, sort_keys=True)
+    if record is not None and int(record.get("round", -1)) == round - 1 and round - 1 not in recs:
+        recs[round - 1] = json.dumps(record, sort_keys=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(recs[r] + "\n" for r in sorted(recs)))
+    os.replace(tmp, path)
+    return len(recs)

@@ -20,7 +20,7 @@ from p2pfl.data import ArrayDataset, Partition, PeerData, load_dataset, make_par
 from p2pfl.modelpool import ModelPool
 from p2pfl.models import build_model, split_parameter_names
 from p2pfl.models.layout import ParamLayout
-from p2pfl.node import Node, Recorder
+from p2pfl.node import Node, Protocol, Recorder
 from p2pfl.peerapp import PeerApp
 from p2pfl.topology import Topology, load_topology
 from p2pfl.transport.base import Transport
@@ -125,6 +125,13 @@ class Experiment:
         return PeerData(self.dataset, self.partition.train[i], self.partition.test[i],
                         self.cfg.data.batch_size, self.device)
 
+    def protocol(self, peer_id: str) -> Protocol:
+        """The round protocol's settings for ``peer_id`` (``network.*``, docs/protocol.md)."""
+        net = self.cfg.network
+        return Protocol(asynchronous=net.mode == "async", window=net.window, probe_s=float(net.probe_s),
+                        max_staleness=net.max_staleness, staleness_exp=float(net.staleness_exp),
+                        slowdown=float(net.slowdown.get(peer_id, 1.0)))
+
     def make_node(self, peer_id: str, *, transport: Transport, models: ModelPool, record: Recorder,
                   run_dir: Path | None, stop: threading.Event | None = None, on_round=None,
                   rounds: int | None = None) -> Node:
@@ -147,5 +154,6 @@ class Experiment:
                     models=models, layout=self.layout, state=state, generator=gen, seed=self.cfg.seed,
                     rounds=rounds or self.cfg.rounds, deadline_s=self.cfg.network.round_timeout_s, record=record,
                     eval_every=self.cfg.eval_every, checkpoint_path=ckpt, checkpoint_every=self.cfg.checkpoint_every,
-                    stop=stop, on_round=on_round, quorum=self.cfg.network.quorum)
+                    stop=stop, on_round=on_round, quorum=self.cfg.network.quorum,
+                    protocol=self.protocol(peer_id))
         return node

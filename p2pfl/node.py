@@ -6,6 +6,7 @@ Node in its own process with the gRPC transport. Same code, same seeds, same res
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -17,17 +18,43 @@ from typing import Any
 import torch
 
 from p2pfl.algorithms.base import Algorithm, PeerState, TrainContext
+from p2pfl.algorithms.dfedpgp import MU
 from p2pfl.checkpoint import load_checkpoint, save_checkpoint
 from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
 from p2pfl.models.layout import ParamLayout
 from p2pfl.peerapp import PeerApp
-from p2pfl.topology import Topology
+from p2pfl.topology import MixingPlan, Topology
 from p2pfl.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
 Recorder = Callable[[dict[str, Any]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+    """The round protocol's knobs a node needs (from ``network.*``; docs/protocol.md)."""
+
+    asynchronous: bool = False  # network.mode == "async"
+    window: int = 2
+    probe_s: float = 2.0
+    max_staleness: int = 4
+    staleness_exp: float = 1.0
+    slowdown: float = 1.0  # experiments only
+
+
+def staleness_plan(plan: MixingPlan, staleness: dict[str, int], exp: float) -> MixingPlan:
+    """Asynchronous mixing weights: ``w_ij * (1 + s_j) ** -exp`` for a payload ``s_j`` rounds old.
+
+    A payload from a neighbour ahead (s < 0) counts as fresh (s = 0). The algorithm's pull-mode
+    mixing renormalizes over self + what arrived, so the weights still sum to one.
+    """
+    if not staleness or exp == 0:
+        return plan
+    weights = {j: w * (1.0 + max(0, staleness[j])) ** -exp if j in staleness else w
+               for j, w in plan.in_weights.items()}
+    return dataclasses.replace(plan, in_weights=weights)
 
 
 class Node:
@@ -36,7 +63,8 @@ class Node:
                  generator: torch.Generator, seed: int, rounds: int, deadline_s: float,
                  record: Recorder, eval_every: int = 1, checkpoint_path: Path | None = None,
                  checkpoint_every: int = 1, stop: threading.Event | None = None,
-                 on_round: Callable[[int], None] | None = None, quorum: float = 0.0) -> None:
+                 on_round: Callable[[int], None] | None = None, quorum: float = 0.0,
+                 protocol: Protocol | None = None) -> None:
         self.peer_id = peer_id
         self.topology = topology
         self.topology_hash = topology.hash()
@@ -57,26 +85,49 @@ class Node:
         self.stop = stop or threading.Event()
         self.on_round = on_round
         self.quorum = quorum
+        self.protocol = protocol or Protocol()
+        self.resumed_record: dict[str, Any] | None = None  # the last record stored with the checkpoint
+        self._fast_forward_from: int | None = None
 
     # -- resume ------------------------------------------------------------------------------
     def resume(self) -> bool:
         """Load the last checkpoint if there is one; return whether it did."""
         if self.checkpoint_path is None or not self.checkpoint_path.exists():
             return False
-        state, rng, _ = load_checkpoint(self.checkpoint_path, self.state.params.device)
+        state, rng, meta = load_checkpoint(self.checkpoint_path, self.state.params.device)
         if state.peer_id != self.peer_id or state.params.shape != self.state.params.shape:
             raise ValueError(f"checkpoint {self.checkpoint_path} does not belong to peer {self.peer_id}")
         self.state = state
         self.generator.set_state(rng)
+        rec = meta.get("record")
+        self.resumed_record = rec if isinstance(rec, dict) else None
         log.info("%s: resumed from checkpoint at round %d", self.peer_id, state.round)
         return True
+
+    def rejoin(self) -> None:
+        """After a restart: ask the neighbours where they are; fast-forward if they left the window.
+
+        Neighbours within ``window`` rounds still serve the rounds this peer needs (and wait for its
+        payloads within their deadline), so it simply replays from its checkpoint. Further behind,
+        it adopts the most advanced neighbour's round (docs/protocol.md, "Rejoin"); the skipped
+        rounds are not trained and not recorded, and its next record says ``fast_forward_from``.
+        """
+        rounds = self.transport.neighbour_rounds(self.protocol.probe_s)
+        if not rounds:
+            return
+        ahead = max(rounds.values())
+        if ahead - self.state.round > self.protocol.window and ahead < self.rounds:
+            log.warning("%s: neighbours are at round %d (%s); fast-forwarding from round %d", self.peer_id, ahead,
+                        ",".join(f"{p}={r}" for p, r in sorted(rounds.items())), self.state.round)
+            self._fast_forward_from = self.state.round
+            self.state.round = ahead
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> PeerState:
         while self.state.round < self.rounds and not self.stop.is_set():
             self.run_round(self.state.round)
         if self.state.round >= self.rounds:
-            self.transport.linger(self.deadline_s)
+            self.transport.linger(self.protocol.probe_s if self.protocol.asynchronous else self.deadline_s)
         return self.state
 
     def run_round(self, r: int) -> dict[str, Any]:
@@ -87,9 +138,12 @@ class Node:
             ctx = TrainContext(model, self.layout, self.app.data, self.generator, self.state.params.device)
             train_metrics = self.algorithm.local_update(self.state, ctx, r)
             t_train = time.perf_counter() - t_start
+        if self.protocol.slowdown > 1.0:  # experiments only: a peer made this many times slower
+            time.sleep((self.protocol.slowdown - 1.0) * t_train)
 
         sent = recv = 0
         missing: set[str] = set()
+        undelivered: set[str] = set()
         consensus = 0.0
         for step in range(self.algorithm.gossip_steps()):
             plan = self.topology.plan(self.peer_id, r, step, seed=self.seed, mode=self.algorithm.mode)
@@ -97,7 +151,17 @@ class Node:
             # A snapshot: the published payload must not change when this peer mixes.
             msg = Message(self.peer_id, r, step, self.topology_hash, self.algorithm.wire_specs(),
                           flat.detach().clone(), dict(scalars))
-            res = self.transport.exchange(msg, plan, self.deadline_s)
+            if self.protocol.asynchronous:
+                res = self.transport.exchange_latest(msg, plan, self.protocol.max_staleness, self.protocol.probe_s)
+                plan = staleness_plan(plan, {j: r - m.round for j, m in res.received.items()},
+                                      self.protocol.staleness_exp)
+            else:
+                res = self.transport.exchange(msg, plan, self.deadline_s)
+            if res.undelivered and plan.mode == "push":
+                # Push-sum: a share the receiver did not mix stays with the sender (no mass is lost).
+                kept = sum(plan.out_weights[k] for k in res.undelivered)
+                plan = dataclasses.replace(plan, self_weight=plan.self_weight + kept)
+                undelivered.update(res.undelivered)
             if res.missing:
                 log.warning("%s round %d step %d: no payload from %s", self.peer_id, r, step, ",".join(res.missing))
             need = math.ceil(self.quorum * len(plan.in_weights) - 1e-9)
@@ -128,11 +192,20 @@ class Node:
         rec.update(bytes_sent=sent, bytes_recv=recv,
                    consensus_dist=consensus, missing=sorted(missing), train_seconds=t_train,
                    seconds=time.perf_counter() - t0)
-        self.record(rec)
+        if MU in self.state.scalars and self.algorithm.mode == "push":
+            rec["mu"] = float(self.state.scalars[MU])  # push-sum weight: sum over peers stays n
+        if undelivered:
+            rec["undelivered"] = sorted(undelivered)
+        if self._fast_forward_from is not None:
+            rec["fast_forward_from"], self._fast_forward_from = self._fast_forward_from, None
+        # Checkpoint (atomic rename, carrying this record) first, then the metrics line: a kill in
+        # between is repaired on resume from the record in the checkpoint (reconcile_metrics), so
+        # no round is ever lost or recorded twice.
         if self.checkpoint_path is not None and self.checkpoint_every and (
             (r + 1) % self.checkpoint_every == 0 or r + 1 == self.rounds
         ):
-            save_checkpoint(self.checkpoint_path, self.state, self.generator)
+            save_checkpoint(self.checkpoint_path, self.state, self.generator, meta={"record": rec})
+        self.record(rec)
         if self.on_round is not None:
             self.on_round(r)
         return rec

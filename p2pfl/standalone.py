@@ -39,6 +39,7 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
     """Serve and run one peer to the end (or until ``stop``); return its last metrics record."""
     import torch
 
+    from p2pfl.checkpoint import checkpoint_info, reconcile_metrics
     from p2pfl.experiment import Experiment
     from p2pfl.modelpool import ModelPool
     from p2pfl.runfolder import MetricsWriter
@@ -51,15 +52,23 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
     network = network_for(cfg, certs, insecure)
     algo = exp.new_algorithm()
     out_dir.mkdir(parents=True, exist_ok=True)
+    # The checkpoint is read before serving, so a restarted peer answers its resumed round at once
+    # (docs/protocol.md, "Rejoin").
+    ckpt_path = out_dir / "checkpoints" / f"{peer_id}.npz"
+    start_round, ckpt_record = checkpoint_info(ckpt_path) if cfg.checkpoint_every else (0, None)
     transport = start_grpc_peer(exp.topology, peer_id, network, expected_specs=algo.wire_specs(),
-                                scalar_keys=algo.wire_scalars(), seed=cfg.seed, mode=algo.mode)
+                                scalar_keys=algo.wire_scalars(), seed=cfg.seed, mode=algo.mode,
+                                start_round=start_round)
     last: dict[str, Any] = {}
     metrics_path = out_dir / f"metrics-{peer_id}.jsonl"
     try:
-        ckpt_exists = (out_dir / "checkpoints" / f"{peer_id}.npz").exists()
+        ckpt_exists = cfg.checkpoint_every > 0 and ckpt_path.exists()
+        if ckpt_exists:  # exactly rounds < start_round, once each (a kill may have cut either write)
+            reconcile_metrics(metrics_path, start_round, ckpt_record)
         writer = MetricsWriter(metrics_path, truncate=not ckpt_exists)
 
         def record(rec: dict[str, Any]) -> None:
+            rec = {**rec, "time": time.time()}  # wall clock: compares runs after the same wall time
             last.clear()
             last.update(rec)
             writer(rec)
@@ -70,6 +79,7 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
                              run_dir=out_dir, stop=stop)
         if node.resume():
             log.warning("%s: resuming at round %d", peer_id, node.state.round)
+            node.rejoin()
         node.run()
         writer.close()
     finally:

@@ -374,8 +374,8 @@ def _push_cases(topo: Topology) -> list[tuple[str, list[peer_pb2.Chunk], grpc.St
          "scalar 'weight' is inf"),
         ("extra scalar", _mutated(good, lambda h: h.scalars.__setitem__("x", 1.0)), S.INVALID_ARGUMENT,
          "unexpected scalar keys ['x']"),
-        ("round ahead", _mutated(good, lambda h: setattr(h, "round", 5)), S.OUT_OF_RANGE,
-         "round 5 is more than one round ahead of this peer (round 0)"),
+        ("round ahead", _mutated(good, lambda h: setattr(h, "round", 5)), S.UNAVAILABLE,
+         "round 5 is more than 2 rounds ahead of this peer (round 0); retry later"),
         ("topology", _mutated(good, lambda h: setattr(h, "topology_hash", "0" * 16)), S.FAILED_PRECONDITION,
          "topology hash '0000000000000000' differs"),
         ("oversize", _mutated(good, lambda h: setattr(h, "total_bytes", 5 << 20)), S.RESOURCE_EXHAUSTED,
@@ -405,15 +405,25 @@ def test_bad_pushes_are_rejected_and_change_nothing(certs: Path, caplog: pytest.
             if code != grpc.StatusCode.RESOURCE_EXHAUSTED or "declares" in text:  # gRPC's own limit: not ours
                 assert any(text in r.getMessage() and r.levelname == "WARNING" for r in caplog.records), case
 
-        # a good push is taken, a second one for the same key is refused
+        # a good push waits for the receiver's decision; a second one for the same key meanwhile is refused
         good = encode(message(topo, "p1", 0), CHUNK)
-        reply = stub.Push(iter(good), timeout=5)
-        assert reply.bytes_received == sum(ch.ByteSize() for ch in good)
+        pending = stub.Push.future(iter(good), timeout=10)
+        t0 = time.monotonic()
+        while not server.inbox and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
         assert list(server.inbox) == [("p1", 0, 0)]
         err = rpc_error(lambda: stub.Push(iter(good), timeout=5))
         assert err.code() == grpc.StatusCode.ALREADY_EXISTS
         taken = server.take([("p1", 0, 0)], time.monotonic() + 1)
         assert_same(taken["p1"][0], message(topo, "p1", 0))
+        assert pending.result().bytes_received == sum(ch.ByteSize() for ch in good)  # answered: mixed
+        # a repeat of a mixed push is answered OK with 0 bytes (deduplicated, not mixed twice)
+        assert stub.Push(iter(good), timeout=5).bytes_received == 0 and server.inbox == {}
+        # a push for a step the receiver closed without it is ABORTED: the sender keeps its mass
+        assert server.take([("p1", 2, 0)], time.monotonic() + 0.1) == {}
+        err = rpc_error(lambda: stub.Push(iter(encode(message(topo, "p1", 2), CHUNK)), timeout=5))
+        assert err.code() == grpc.StatusCode.ABORTED and "mixed without this payload" in (err.details() or "")
+        assert server.inbox == {}
 
         # and the real exchange still works afterwards
         msgs = {p: message(topo, p, 1) for p in topo.ids}
@@ -445,7 +455,7 @@ def test_bad_pulls_are_rejected(certs: Path) -> None:
         stub = peer_pb2_grpc.PeerStub(ch)
         for r in range(4):
             c.servers["p0"].publish(message(topo, "p0", r))
-        assert c.servers["p0"].published() == [(2, 0), (3, 0)]  # older rounds dropped
+        assert c.servers["p0"].published() == [(1, 0), (2, 0), (3, 0)]  # older than the window (2) dropped
 
         def pull(**kw: Any) -> list[peer_pb2.Chunk]:
             req = {"requester": "p1", "round": 3, "step": 0, "topology_hash": h, **kw}
@@ -455,8 +465,8 @@ def test_bad_pulls_are_rejected(certs: Path) -> None:
         for kw, code, text in [
             ({"requester": "p2"}, S.PERMISSION_DENIED, "claims to be 'p2' but its certificate is for 'p1'"),
             ({"topology_hash": "f" * 16}, S.FAILED_PRECONDITION, "topology hash 'ffffffffffffffff' differs"),
-            ({"round": 1}, S.OUT_OF_RANGE, "round 1 is no longer served: this peer is at round 3"),
-            ({"round": 5}, S.OUT_OF_RANGE, "round 5 is more than one round ahead of this peer (round 3)"),
+            ({"round": 0}, S.OUT_OF_RANGE, "round 0 is no longer served: this peer is at round 3"),
+            ({"round": 6}, S.UNAVAILABLE, "round 6 is more than 2 rounds ahead of this peer (round 3)"),
             ({"round": 4}, S.DEADLINE_EXCEEDED, ""),  # plausible but never published: waits, then gives up
         ]:
             err = rpc_error(lambda kw=kw: pull(**kw))

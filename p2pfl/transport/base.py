@@ -16,10 +16,14 @@ from p2pfl.topology import MixingPlan
 
 @dataclass
 class ExchangeResult:
+    """What one exchange brought. ``undelivered`` (push mode): out-neighbours that did not mix this
+    peer's push; the peer keeps their share of its mass (docs/protocol.md)."""
+
     received: dict[str, Message]
     missing: list[str] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_recv: int = 0
+    undelivered: list[str] = field(default_factory=list)
 
 
 class TransportError(RuntimeError):
@@ -30,6 +34,16 @@ class Transport(ABC):
     @abstractmethod
     def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
         """Deliver ``message`` per ``plan`` and collect the in-neighbours' messages for the same (round, step)."""
+
+    def exchange_latest(self, message: Message, plan: MixingPlan, max_staleness: int,
+                        wait_s: float) -> ExchangeResult:
+        """Asynchronous gossip: publish ``message`` and return the freshest payload held from each
+        in-neighbour (any round >= ``message.round - max_staleness``), without a round barrier."""
+        raise NotImplementedError(f"{type(self).__name__} has no asynchronous mode")
+
+    def neighbour_rounds(self, timeout_s: float) -> dict[str, int]:
+        """The rounds the reachable neighbours report (Status), for a peer that rejoins."""
+        return {}
 
     def linger(self, deadline_s: float) -> None:
         """After the last round: keep serving until neighbours got our last payload (default: nothing to do)."""

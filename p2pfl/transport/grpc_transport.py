@@ -16,6 +16,7 @@ late is counted in the next exchange, so the total over a run is exact).
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -46,7 +47,13 @@ __all__ = ["GrpcTransport", "bind_address", "start_grpc_peer"]
 
 log = logging.getLogger(__name__)
 
-_RETRY_PAUSE_S = 0.1  # between attempts when a neighbour's connection drops mid-call
+_BACKOFF_BASE_S = 0.05  # first pause before retrying a transient failure
+_BACKOFF_MAX_S = 1.0
+
+
+def backoff_s(attempt: int) -> float:
+    """Jittered exponential backoff before retry ``attempt`` (1, 2, ...): 0.05 s doubling up to 1 s, x[0.5, 1.5)."""
+    return min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * 2 ** min(attempt - 1, 10)) * (0.5 + random.random())
 
 
 def _identity(b: bytes) -> bytes:
@@ -123,6 +130,9 @@ class GrpcTransport(Transport):
         self._closed = False
         self._last_published: tuple[tuple[int, int], frozenset[str]] | None = None
         self._pushes: list[futures.Future[bool]] = []
+        self._down: set[str] = set()  # neighbours noticed down: probed briefly, not waited for
+        self.probe_s = float(network_cfg.probe_s)
+        self._latest: dict[tuple[str, int], Message] = {}  # async: freshest payload held per (peer, step)
 
     # ---- channels ------------------------------------------------------------------------------
 
@@ -171,10 +181,54 @@ class GrpcTransport(Transport):
             raise TransportError(f"pull from {peer} (round {round} step {step}) failed: {why}")
         return msg, nbytes
 
+    # ---- failure detection -------------------------------------------------------------------------
+
+    def _mark_down(self, peer: str, why: str) -> None:
+        with self._lock:
+            if peer in self._down:
+                return
+            self._down.add(peer)
+        log.warning("%s: neighbour %s is down (%s); later rounds probe it for %.1fs instead of waiting",
+                    self.peer_id, peer, why[:200], self.probe_s)
+
+    def _mark_up(self, peer: str) -> None:
+        with self._lock:
+            if peer not in self._down:
+                return
+            self._down.discard(peer)
+        log.warning("%s: neighbour %s answers again", self.peer_id, peer)
+
+    def is_down(self, peer: str) -> bool:
+        with self._lock:
+            return peer in self._down
+
+    def _alive(self, peer: str) -> bool:
+        """True unless ``peer`` is marked down and a short Status probe still gets no answer."""
+        if not self.is_down(peer):
+            return True
+        try:
+            self._neighbour(peer).status(peer_pb2.StatusRequest(), timeout=self.probe_s, wait_for_ready=False)
+        except grpc.RpcError:
+            return False
+        self._mark_up(peer)
+        return True
+
+    def _failed(self, peer: str, why: str) -> None:
+        """A call to ``peer`` failed; a dead or silent neighbour (not a refusal) is marked down."""
+        if why.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED")) or why.startswith("deadline"):
+            self._mark_down(peer, why)
+
     # ---- exchange ------------------------------------------------------------------------------
 
     def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
         """Publish/push ``message`` per ``plan``; collect the in-neighbours' payloads until ``deadline_s``."""
+        self._check(message, plan)
+        deadline = time.monotonic() + deadline_s
+        if plan.mode == "push":
+            return self._exchange_push(message, plan, deadline)
+        return self._exchange_pull(message, plan, deadline)
+
+    def _check(self, message: Message, plan: MixingPlan) -> None:
         if self._closed:
             raise RuntimeError(f"transport of {self.peer_id!r} is closed")
         if message.sender != self.peer_id or plan.peer != self.peer_id:
@@ -185,16 +239,12 @@ class GrpcTransport(Transport):
             )
         if plan.mode != self.server.mode:
             raise ValueError(f"plan mode {plan.mode!r} differs from the server's mode {self.server.mode!r}")
-        deadline = time.monotonic() + deadline_s
-        if plan.mode == "push":
-            return self._exchange_push(message, plan, deadline)
-        return self._exchange_pull(message, plan, deadline)
 
     def _exchange_pull(self, message: Message, plan: MixingPlan, deadline: float) -> ExchangeResult:
         self.server.publish(message)
         self._last_published = ((message.round, message.step), frozenset(plan.out_weights))
         senders = list(plan.in_weights)
-        jobs = {j: self._pool.submit(self._pull_one, j, message.round, message.step, deadline) for j in senders}
+        jobs = {j: self._pool.submit(self._pull_checked, j, message.round, message.step, deadline) for j in senders}
         received: dict[str, Message] = {}
         missing: list[str] = []
         recv = 0
@@ -207,10 +257,23 @@ class GrpcTransport(Transport):
                             self.peer_id, message.round, message.step, j, why)
             else:
                 received[j] = msg
+        return ExchangeResult(received=received, missing=missing, bytes_sent=self._take_sent(), bytes_recv=recv)
+
+    def _take_sent(self) -> int:
         served = self.server.served_bytes
         sent, self._served_reported = served - self._served_reported, served
-        return ExchangeResult(received=received, missing=missing, bytes_sent=sent + self._take_pushed(),
-                              bytes_recv=recv)
+        return sent + self._take_pushed()
+
+    def _pull_checked(self, peer: str, round: int, step: int, deadline: float) -> tuple[Message | None, int, str]:
+        """`_pull_one`, skipped for a neighbour that is down and does not answer a probe."""
+        if not self._alive(peer):
+            return None, 0, "neighbour is down (no answer to a probe)"
+        msg, nbytes, why = self._pull_one(peer, round, step, deadline)
+        if msg is None:
+            self._failed(peer, why)
+        else:
+            self._mark_up(peer)
+        return msg, nbytes, why
 
     @staticmethod
     def _result(job: futures.Future[tuple[Message | None, int, str]], deadline: float) -> tuple[Message | None, int, str]:
@@ -222,7 +285,11 @@ class GrpcTransport(Transport):
             return None, 0, "the pull did not finish by the deadline"
 
     def _pull_one(self, peer: str, round: int, step: int, deadline: float) -> tuple[Message | None, int, str]:
-        """Pull (round, step) from ``peer``: (message or None, wire bytes read, reason when None)."""
+        """Pull (round, step) from ``peer``: (message or None, wire bytes read, reason when None).
+
+        UNAVAILABLE (connection lost, neighbour restarting, or the round too far ahead of it) is
+        retried with jittered exponential backoff until the deadline; every other status is final.
+        """
         nbr = self._neighbour(peer)
         req = peer_pb2.PullRequest(requester=self.peer_id, round=round, step=step, topology_hash=self.topology_hash)
         exp = Expectation(
@@ -231,6 +298,7 @@ class GrpcTransport(Transport):
         )
         nbytes = 0
         why = "deadline passed before the pull started"
+        attempt = 0
         while (left := deadline - time.monotonic()) > 0:
             dec = Decoder(exp)
             call = nbr.pull(req, timeout=left, wait_for_ready=True)
@@ -247,45 +315,147 @@ class GrpcTransport(Transport):
                 why = f"{code.name}: {e.details()}"
                 if code != grpc.StatusCode.UNAVAILABLE:
                     break
-                # The connection dropped (neighbour restarting?): try again while the round lasts.
-                time.sleep(min(_RETRY_PAUSE_S, max(0.0, deadline - time.monotonic())))
+                attempt += 1
+                time.sleep(min(backoff_s(attempt), max(0.0, deadline - time.monotonic())))
         return None, nbytes, why
 
     def _exchange_push(self, message: Message, plan: MixingPlan, deadline: float) -> ExchangeResult:
         self.server.set_round(message.round)
         payload = encode_frames(message, self.chunk_bytes)
         tag = f"round {message.round} step {message.step}"
-        self._pushes = [self._pool.submit(self._push_one, k, payload, deadline, tag) for k in plan.out_weights]
+        pushes = {k: self._pool.submit(self._push_checked, k, payload, deadline, tag) for k in plan.out_weights}
+        self._pushes = list(pushes.values())
         keys = [(j, message.round, message.step) for j in plan.in_weights]
-        got = self.server.take(keys, deadline)
+        alive = [j for j in plan.in_weights if self._alive(j)]
+        got = self.server.take(keys, deadline, wait_for=alive)
         received = {j: got[j][0] for j in plan.in_weights if j in got}
         missing = [j for j in plan.in_weights if j not in got]
         for j in missing:
             log.warning("%s %s: no push from %s by the deadline", self.peer_id, tag, j)
+            if j in alive:
+                self._mark_down(j, "no push by the deadline")
+        for j in received:
+            self._mark_up(j)
+        # The fate of every own push is known before mixing: an undelivered share stays here.
+        undelivered: list[str] = []
+        for k, job in pushes.items():
+            try:
+                ok = job.result(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
+            except futures.TimeoutError:  # pragma: no cover - each call is bounded by its deadline
+                ok = False
+            if not ok:
+                undelivered.append(k)
         recv = sum(n for _, n in got.values())
-        served = self.server.served_bytes
-        sent, self._served_reported = served - self._served_reported, served
-        return ExchangeResult(received=received, missing=missing, bytes_sent=sent + self._take_pushed(),
-                              bytes_recv=recv)
+        return ExchangeResult(received=received, missing=missing, bytes_sent=self._take_sent(),
+                              bytes_recv=recv, undelivered=undelivered)
+
+    def _push_checked(self, peer: str, payload: EncodedPayload, deadline: float, tag: str) -> bool:
+        if not self._alive(peer):
+            log.warning("%s %s: push to %s skipped: neighbour is down; its share stays here", self.peer_id, tag, peer)
+            return False
+        return self._push_one(peer, payload, deadline, tag)
 
     def _push_one(self, peer: str, payload: EncodedPayload, deadline: float, tag: str) -> bool:
+        """Push ``payload`` to ``peer``; True once the receiver answered that it mixed it.
+
+        The receiver answers only when it decided (mixed, or closed the step without it), so a
+        push's fate is never ambiguous while the receiver is reachable. UNAVAILABLE and
+        ALREADY_EXISTS (an earlier attempt is still being withdrawn) are retried with backoff within
+        the deadline; anything else, or the deadline, means not mixed: the sender keeps the share.
+        """
         nbr = self._neighbour(peer)
         why = "deadline passed before the push started"
+        attempt = 0
         while (left := deadline - time.monotonic()) > 0:
             try:
                 nbr.push(iter(payload), timeout=left, wait_for_ready=True)
             except grpc.RpcError as e:
                 code = e.code()
                 why = f"{code.name}: {e.details()}"
-                if code != grpc.StatusCode.UNAVAILABLE:
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS):
                     break
-                time.sleep(min(_RETRY_PAUSE_S, max(0.0, deadline - time.monotonic())))
+                attempt += 1
+                time.sleep(min(backoff_s(attempt), max(0.0, deadline - time.monotonic())))
                 continue
             with self._lock:
                 self._pushed += payload.wire_bytes
+            self._mark_up(peer)
             return True
-        log.warning("%s %s: push to %s failed: %s", self.peer_id, tag, peer, why)
+        self._failed(peer, why)
+        log.warning("%s %s: push to %s not mixed (%s); its share stays here", self.peer_id, tag, peer, why[:300])
         return False
+
+    # ---- asynchronous gossip -----------------------------------------------------------------
+
+    def exchange_latest(self, message: Message, plan: MixingPlan, max_staleness: int,
+                        wait_s: float) -> ExchangeResult:
+        """Publish ``message``; return the freshest payload of each in-neighbour, no round barrier.
+
+        For each in-neighbour: ask its Status (its latest published round r_j), pull (r_j, step)
+        unless it is what this peer already holds, and keep the newest copy. Payloads with
+        r_j < round - max_staleness are dropped (missing). Nobody waits longer than ``wait_s`` for
+        a neighbour (a slow one is mixed at its last known state, a down one not at all).
+        """
+        self._check(message, plan)
+        if plan.mode != "pull":
+            raise ValueError("asynchronous gossip needs pull mode (push-sum needs the round barrier)")
+        self.server.publish(message)
+        self._last_published = ((message.round, message.step), frozenset(plan.out_weights))
+        deadline = time.monotonic() + wait_s
+        senders = list(plan.in_weights)
+        jobs = {j: self._pool.submit(self._latest_one, j, message.step, deadline) for j in senders}
+        received: dict[str, Message] = {}
+        missing: list[str] = []
+        recv = 0
+        for j in senders:
+            msg, nbytes, why = self._result(jobs[j], deadline)
+            recv += nbytes
+            if msg is not None:
+                self._latest[(j, message.step)] = msg
+            held = self._latest.get((j, message.step))
+            if held is not None and message.round - held.round <= max_staleness:
+                received[j] = held
+            else:
+                missing.append(j)
+                log.info("%s round %d: nothing fresh from %s: %s", self.peer_id, message.round, j,
+                         why or f"newest held is round {held.round if held else None}")
+        return ExchangeResult(received=received, missing=missing, bytes_sent=self._take_sent(), bytes_recv=recv)
+
+    def _latest_one(self, peer: str, step: int, deadline: float) -> tuple[Message | None, int, str]:
+        """The payload ``peer`` published last, if newer than the one held; (None, 0, why) otherwise."""
+        if not self._alive(peer):
+            return None, 0, "neighbour is down"
+        try:
+            st = self._neighbour(peer).status(peer_pb2.StatusRequest(),
+                                              timeout=max(0.05, deadline - time.monotonic()), wait_for_ready=False)
+        except grpc.RpcError as e:
+            self._failed(peer, f"{e.code().name}: {e.details()}")
+            return None, 0, f"status: {e.code().name}"
+        held = self._latest.get((peer, step))
+        r = int(st.round)
+        if held is not None and held.round >= r:
+            return None, 0, "nothing newer"
+        msg, nbytes, why = self._pull_one(peer, r, step, deadline)
+        if msg is None:
+            self._failed(peer, why)
+        return msg, nbytes, why
+
+    # ---- rejoin ------------------------------------------------------------------------------
+
+    def neighbour_rounds(self, timeout_s: float) -> dict[str, int]:
+        """Status of every possible neighbour, in parallel, each bounded by ``timeout_s``; the reachable ones' rounds."""
+        peers = sorted(self.topology.possible_in_neighbours(self.peer_id)
+                       | self.topology.possible_out_neighbours(self.peer_id))
+
+        def ask(p: str) -> int | None:
+            try:
+                return int(self._neighbour(p).status(peer_pb2.StatusRequest(), timeout=timeout_s,
+                                                     wait_for_ready=True).round)
+            except grpc.RpcError:
+                return None
+
+        rounds = dict(zip(peers, self._pool.map(ask, peers), strict=True))
+        return {p: r for p, r in rounds.items() if r is not None}
 
     def _take_pushed(self) -> int:
         with self._lock:
@@ -302,6 +472,7 @@ class GrpcTransport(Transport):
         deadline = time.monotonic() + deadline_s
         if self._last_published is not None:
             key, pullers = self._last_published
+            pullers = frozenset(p for p in pullers if not self.is_down(p))
             left = self.server.wait_pulled(key, pullers, deadline)
             if left:
                 log.warning("%s: stopping before %s pulled round %d step %d", self.peer_id,
@@ -343,10 +514,12 @@ def start_grpc_peer(
     seed: int = 0,
     mode: str = "pull",
     bind: str | None = None,
+    start_round: int = 0,
 ) -> GrpcTransport:
     """Start ``peer_id``'s server (mutual TLS from ``network_cfg.certs`` unless insecure) and its transport.
 
-    The returned transport owns the server: ``close()`` stops both.
+    The returned transport owns the server: ``close()`` stops both. ``start_round``: the round a
+    resumed peer is at (its checkpoint's), so it serves where it stands from the first request on.
     """
     if network_cfg.insecure:
         tls = None
@@ -362,7 +535,7 @@ def start_grpc_peer(
         bind or bind_address(topology.address(peer_id)), topology, peer_id,
         expected_specs=expected_specs, scalar_keys=scalar_keys, seed=seed, mode=mode, tls=tls,
         insecure=network_cfg.insecure, max_message_mb=network_cfg.max_message_mb,
-        chunk_bytes=int(network_cfg.chunk_kb) * 1024,
+        chunk_bytes=int(network_cfg.chunk_kb) * 1024, window=network_cfg.window, start_round=start_round,
     )
     try:
         return GrpcTransport(
