@@ -4,12 +4,14 @@
 #   (no arguments) / --set K=V ...   p2pfl node for $P2PFL_PEER (the arguments are passed on)
 #   node [ARGS...]                   the same
 #   --healthcheck                    exit 0 if this peer's gRPC health service reports SERVING
+#                                    (python -m p2pfl.health: imports neither torch nor Flower)
 #   anything else                    run it (`bash`, `p2pfl ...`), or as a p2pfl subcommand (`certs ...`)
 #
 # The peer's identity and paths come from the environment (docker-compose.yml made by `p2pfl compose`
 # sets them), so the HEALTHCHECK, which runs as a separate process, derives the same values:
 #   P2PFL_PEER (required)  P2PFL_PORT (50051)  P2PFL_CONFIG (/p2pfl/config.yaml)
 #   P2PFL_CERTS (/p2pfl/certs)  P2PFL_RUN_DIR (/p2pfl/run)  P2PFL_INSECURE (0: mutual TLS)
+#   P2PFL_METRICS_PORT (unset: no /metrics)  P2PFL_METRICS_HOST (127.0.0.1)
 # Misconfigurations (missing certificates, unreadable keys, unwritable run folder) are reported
 # here in plain words before Python starts, with the fix.
 set -euo pipefail
@@ -34,10 +36,11 @@ is_true() {
 
 healthcheck() {
   [ -n "${P2PFL_PEER:-}" ] || die "P2PFL_PEER is not set: no peer to check"
+  # python -m p2pfl.health: grpc and cryptography only (no CLI, no torch), cheap enough to run every 15 s
   if is_true "$P2PFL_INSECURE"; then
-    exec p2pfl health "127.0.0.1:${P2PFL_PORT}" --insecure
+    exec python3 -m p2pfl.health "127.0.0.1:${P2PFL_PORT}" --insecure
   fi
-  exec p2pfl health "127.0.0.1:${P2PFL_PORT}" --certs "$P2PFL_CERTS" --peer "$P2PFL_PEER"
+  exec python3 -m p2pfl.health "127.0.0.1:${P2PFL_PORT}" --certs "$P2PFL_CERTS" --peer "$P2PFL_PEER"
 }
 
 check_cert_file() {
@@ -63,6 +66,9 @@ run_node() {
       check_cert_file "${P2PFL_CERTS}/${f}"
     done
     args+=(--certs "$P2PFL_CERTS")
+  fi
+  if [ -n "${P2PFL_METRICS_PORT:-}" ]; then
+    args+=(--metrics-port "$P2PFL_METRICS_PORT" --metrics-host "${P2PFL_METRICS_HOST:-127.0.0.1}")
   fi
   mkdir -p "$P2PFL_RUN_DIR" 2>/dev/null || true
   if ! [ -d "$P2PFL_RUN_DIR" ] || ! [ -w "$P2PFL_RUN_DIR" ]; then

@@ -118,6 +118,11 @@ def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="th
          certs: Annotated[Path | None, typer.Option(help="folder made by `p2pfl certs` (mutual TLS)")] = None,
          insecure: Annotated[bool, typer.Option("--insecure", help="plaintext gRPC (explicit opt-in)")] = False,
          threads: Annotated[int, typer.Option(help="torch CPU threads (1 = bitwise equal to simulate)")] = 1,
+         metrics_port: Annotated[int | None, typer.Option(
+             "--metrics-port", min=0, max=65535, help="serve Prometheus /metrics on this port (off by default)")] = None,
+         metrics_host: Annotated[str, typer.Option(
+             "--metrics-host", help="address /metrics listens on (0.0.0.0 for a scraper on another host)")]
+         = "127.0.0.1",
          set: SetOpt = None, verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
     """Run one peer: serve its gRPC peer service and run its rounds (resumes from its checkpoint)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
@@ -128,7 +133,7 @@ def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="th
 
     try:
         with _no_leftovers(out, empty_only=True):
-            code = node_main(cfg, peer, out, certs, insecure, threads)
+            code = node_main(cfg, peer, out, certs, insecure, threads, metrics_port, metrics_host)
     except BadInput:
         raise
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pfl.config import ExperimentConfig
+from p2pfl.health import check_health  # noqa: F401  (re-exported: its home is p2pfl.health)
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,12 @@ def network_for(cfg: ExperimentConfig, certs: Path | None, insecure: bool) -> An
 
 
 def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path | None = None,
-             insecure: bool = False, stop: threading.Event | None = None, threads: int = 1) -> dict[str, Any]:
-    """Serve and run one peer to the end (or until ``stop``); return its last metrics record."""
+             insecure: bool = False, stop: threading.Event | None = None, threads: int = 1,
+             metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> dict[str, Any]:
+    """Serve and run one peer to the end (or until ``stop``); return its last metrics record.
+
+    ``metrics_port``: also serve Prometheus ``/metrics`` there (0: any free port; None: off).
+    """
     import torch
 
     from p2pfl.checkpoint import checkpoint_info, reconcile_metrics
@@ -61,7 +66,14 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
                                 start_round=start_round)
     last: dict[str, Any] = {}
     metrics_path = out_dir / f"metrics-{peer_id}.jsonl"
+    telemetry = None
     try:
+        if metrics_port is not None:
+            from p2pfl.node_metrics import NodeTelemetry
+
+            nbrs = exp.topology.possible_in_neighbours(peer_id) | exp.topology.possible_out_neighbours(peer_id)
+            telemetry = NodeTelemetry(peer_id, nbrs, cfg.rounds, host=metrics_host, port=metrics_port,
+                                      probe=lambda n: int(transport.status(n, timeout_s=2.0).round))
         ckpt_exists = cfg.checkpoint_every > 0 and ckpt_path.exists()
         if ckpt_exists:  # exactly rounds < start_round, once each (a kill may have cut either write)
             reconcile_metrics(metrics_path, start_round, ckpt_record)
@@ -72,6 +84,8 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
             last.clear()
             last.update(rec)
             writer(rec)
+            if telemetry is not None:
+                telemetry.observe(rec)
             log.info("%s round %d: acc=%s loss=%s sent=%d recv=%d missing=%s", peer_id, rec["round"],
                      rec.get("acc"), rec.get("loss"), rec["bytes_sent"], rec["bytes_recv"], rec.get("missing"))
 
@@ -79,16 +93,20 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
                              run_dir=out_dir, stop=stop)
         if node.resume():
             log.warning("%s: resuming at round %d", peer_id, node.state.round)
+            if telemetry is not None:
+                telemetry.resumed(node.state.round)
             node.rejoin()
         node.run()
         writer.close()
     finally:
+        if telemetry is not None:
+            telemetry.close()
         transport.close()
     return last
 
 
 def node_main(cfg: ExperimentConfig, peer_id: str, out_dir: Path, certs: Path | None, insecure: bool,
-              threads: int) -> int:
+              threads: int, metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
     """``p2pfl node``: SIGTERM/SIGINT stop between rounds; exit 0 when done or stopped cleanly."""
     stop = threading.Event()
 
@@ -98,34 +116,9 @@ def node_main(cfg: ExperimentConfig, peer_id: str, out_dir: Path, certs: Path | 
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    run_node(cfg, peer_id, out_dir, certs=certs, insecure=insecure, stop=stop, threads=threads)
+    run_node(cfg, peer_id, out_dir, certs=certs, insecure=insecure, stop=stop, threads=threads,
+             metrics_port=metrics_port, metrics_host=metrics_host)
     return 0
-
-
-def check_health(address: str, *, certs: Path | None, peer: str | None, target: str | None, insecure: bool,
-                 timeout_s: float = 5.0) -> bool:
-    """True if the peer at ``address`` reports SERVING on the standard gRPC health service."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    if insecure:
-        channel = grpc.insecure_channel(address)
-    else:
-        from p2pfl.security.certs import TLSConfig
-
-        if certs is None or peer is None:
-            raise ValueError("TLS health check needs --certs DIR and --peer ID (or --insecure)")
-        tls = TLSConfig.load(certs, peer)
-        channel = grpc.secure_channel(address, tls.channel_credentials(),
-                                      options=[("grpc.ssl_target_name_override", target or peer)])
-    with channel:
-        try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                             timeout=timeout_s, wait_for_ready=False)
-        except grpc.RpcError as exc:
-            log.info("health check of %s failed: %s", address, exc.code())
-            return False
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
 # -- launch ----------------------------------------------------------------------------------------

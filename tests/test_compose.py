@@ -119,10 +119,15 @@ def _check_deployment(compose_file: Path, ids: list[str]) -> dict[str, Any]:
         assert svc["environment"]["P2PFL_PEER"] == peer.id
         assert svc["environment"]["P2PFL_PORT"] == port
         assert svc["expose"] == [port]
-        assert svc["restart"] == "on-failure"
+        assert svc["restart"] == "on-failure:3"  # bounded: a peer that crashes at every start gives up
+        assert svc["cpus"] > 0 and svc["mem_limit"]
+        assert svc["healthcheck"]["test"] == ["CMD", "p2pfl-entrypoint", "--healthcheck"]
+        assert svc["build"]["dockerfile"] == "docker/Dockerfile"
+        assert (base / svc["build"]["context"] / "docker" / "Dockerfile").is_file()
         assert "depends_on" not in svc  # cyclic graphs: peers wait for each other instead
         assert svc["command"][-2:] == ["--set", f"topology={IN_TOPOLOGY}"]
     assert doc["x-p2pfl"]["topology_hash"] == topo.hash()
+    assert "version" not in doc  # obsolete in the Compose Specification
     return doc
 
 
@@ -172,17 +177,78 @@ def test_loopback_topology_is_rewritten_to_service_names(tmp_path: Path) -> None
     _docker_compose_config(out)
 
 
-def test_gpus_reserve_devices_and_validate(tmp_path: Path) -> None:
+def _devices(doc: dict[str, Any]) -> dict[str, Any]:
+    return {svc["environment"]["P2PFL_PEER"]: svc["deploy"]["resources"]["reservations"]["devices"]
+            for svc in doc["services"].values()}
+
+
+def test_gpus_give_each_peer_its_own_device_and_validate(tmp_path: Path) -> None:
     out = tmp_path / "docker-compose.yml"
-    dep = render_compose(EXAMPLE_CONFIG, out=out, gpus=True)
+    dep = render_compose(EXAMPLE_CONFIG, out=out, gpus="4")
     out.write_text(dep.text)
     resolved = _docker_compose_config(out)
+    devs = _devices(resolved)
+    assert {pid: d[0]["device_ids"] for pid, d in devs.items()} == {"p0": ["0"], "p1": ["1"], "p2": ["2"], "p3": ["3"]}
+    assert all(d[0]["driver"] == "nvidia" and d[0]["capabilities"] == ["gpu"] and "count" not in d[0]
+               for d in devs.values())
     for svc in resolved["services"].values():
-        devices = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert devices == [{"capabilities": ["gpu"], "count": "all", "driver": "nvidia"}]
         assert svc["image"] == "p2pfl:cuda"
+        assert svc["build"]["args"]["TORCH_INDEX"].startswith("https://download.pytorch.org/whl/cu")
+    # fewer GPUs than peers: round-robin; an explicit list; an explicit mapping; every GPU for every peer
+    two = _devices(yaml.safe_load(render_compose(EXAMPLE_CONFIG, out=out, gpus="2").text))
+    assert [two[p][0]["device_ids"] for p in ("p0", "p1", "p2", "p3")] == [["0"], ["1"], ["0"], ["1"]]
+    listed = _devices(yaml.safe_load(render_compose(EXAMPLE_CONFIG, out=out, gpus="3,5").text))
+    assert [listed[p][0]["device_ids"] for p in ("p0", "p1", "p2", "p3")] == [["3"], ["5"], ["3"], ["5"]]
+    mapped = _devices(yaml.safe_load(render_compose(EXAMPLE_CONFIG, out=out, gpus="p0=1,p1=1,p2=0,p3=2").text))
+    assert [mapped[p][0]["device_ids"] for p in ("p0", "p1", "p2", "p3")] == [["1"], ["1"], ["0"], ["2"]]
+    every = _devices(yaml.safe_load(render_compose(EXAMPLE_CONFIG, out=out, gpus="all").text))
+    assert all(d == [{"capabilities": ["gpu"], "count": "all", "driver": "nvidia"}] for d in every.values())
     plain = yaml.safe_load(render_compose(EXAMPLE_CONFIG, out=out).text)
-    assert all("deploy" not in s and s["image"] == "p2pfl:cpu" for s in plain["services"].values())
+    assert all("deploy" not in s and s["image"] == "p2pfl:cpu" and "args" not in s["build"]
+               for s in plain["services"].values())
+    for bad, msg in (("p0=0", "no device for"), ("p9=0,p0=0,p1=0,p2=0,p3=0", "unknown peers"), ("0,0", "distinct"),
+                     ("x", "expected all, auto"), ("0", "at least 1")):
+        with pytest.raises(ComposeError, match=msg):
+            render_compose(EXAMPLE_CONFIG, out=out, gpus=bad)
+
+
+def test_host_network_keeps_loopback_addresses_and_validates(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, peers=4, base_port=47100)
+    out = tmp_path / "deploy" / "docker-compose.yml"
+    res = CliRunner().invoke(_cli(), ["--config", str(cfg), "--out", str(out), "--network", "host",
+                                      "--metrics-port", "47200", "--cpus", "0.5", "--memory", "1g",
+                                      "--restarts", "5"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert not (out.parent / "docker-compose.topology.yaml").exists()  # used as is: no rewrite
+    resolved = _docker_compose_config(out)
+    doc = yaml.safe_load(out.read_text())
+    assert doc["x-p2pfl"]["network"] == "host"
+    assert doc["x-p2pfl"]["metrics"] == {f"p{i}": f"127.0.0.1:{47200 + i}" for i in range(4)}
+    for i, name in enumerate(sorted(resolved["services"])):
+        svc = resolved["services"][name]
+        assert name == f"peer-p{i}" and svc["network_mode"] == "host"
+        assert "expose" not in svc and "ports" not in svc
+        assert svc["environment"]["P2PFL_PORT"] == str(47100 + i)
+        assert svc["environment"]["P2PFL_METRICS_PORT"] == str(47200 + i)
+        assert svc["environment"]["P2PFL_METRICS_HOST"] == "127.0.0.1"
+        assert svc["restart"] == "on-failure:5" and svc["cpus"] == 0.5 and svc["mem_limit"] in ("1g", 1073741824)
+        assert svc["build"]["network"] == "host"
+    mounted = _bind_sources(doc["services"]["peer-p0"], out.parent)[IN_TOPOLOGY]
+    assert [p.address for p in load_topology(mounted).peers] == [f"127.0.0.1:{47100 + i}" for i in range(4)]
+    # the regeneration command in the header reproduces the file
+    assert "--network host --cpus 0.5 --memory 1g --restarts 5 --metrics-port 47200" in out.read_text()
+    # peers sharing the host's network need distinct ports; metrics ports must not collide with them
+    shared = parse_topology({"peers": [{"id": "a", "address": "127.0.0.1:7000"}, {"id": "b", "address": "10.0.0.1:7000"}],
+                             "edges": [["a", "b"]]})
+    shared.dump(tmp_path / "shared.yaml")
+    with pytest.raises(ComposeError, match="distinct ports"):
+        render_compose(cfg, out=out, network="host", sets=[f"topology={tmp_path / 'shared.yaml'}"])
+    with pytest.raises(ComposeError, match="collide"):
+        render_compose(cfg, out=out, network="host", metrics_port=47098)
+    for kw, msg in (({"network": "bridge"}, "expected one of"), ({"cpus": 0}, "cpus"), ({"memory": "lots"}, "memory"),
+                    ({"restarts": 0}, "restarts")):
+        with pytest.raises(ComposeError, match=msg):
+            render_compose(cfg, out=out, **kw)
 
 
 def test_insecure_mounts_no_certs_and_config_insecure_is_refused(tmp_path: Path) -> None:
@@ -224,8 +290,14 @@ def test_service_names() -> None:
 
 
 def test_bad_config_is_a_clean_error(tmp_path: Path) -> None:
-    res = CliRunner().invoke(_cli(), ["--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "c.yml")])
-    assert res.exit_code == 1 and "not found" in res.output
+    res = subprocess.run([sys.executable, "-m", "p2pfl.cli", "compose", "--config", str(tmp_path / "nope.yaml"),
+                          "--out", str(tmp_path / "c.yml")], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode != 0 and "not found" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "c.yml").exists()
+    res = subprocess.run([sys.executable, "-m", "p2pfl.cli", "compose", "--config", str(EXAMPLE_CONFIG),
+                          "--out", str(tmp_path / "c.yml"), "--gpus", "p0=0"], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert res.returncode != 0 and "no device for" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "c.yml").exists()
 
 
@@ -233,12 +305,14 @@ def test_bad_config_is_a_clean_error(tmp_path: Path) -> None:
 
 
 def _fake_p2pfl(tmp_path: Path) -> dict[str, str]:
-    """A PATH whose `p2pfl` prints its arguments, one per line, so the entrypoint's command can be read."""
+    """A PATH whose `p2pfl` and `python3` print their arguments, one per line, so the entrypoint's
+    command can be read."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake = bin_dir / "p2pfl"
-    fake.write_text('#!/bin/sh\nfor a in "$@"; do echo "ARG:$a"; done\n')
-    fake.chmod(0o755)
+    for name in ("p2pfl", "python3"):
+        fake = bin_dir / name
+        fake.write_text(f'#!/bin/sh\necho "EXE:{name}"\nfor a in "$@"; do echo "ARG:$a"; done\n')
+        fake.chmod(0o755)
     return {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
 
 
@@ -263,8 +337,13 @@ def test_entrypoint_runs_node_with_tls(tmp_path: Path) -> None:
     assert _argv(res) == ["node", "--config", str(cfg), "--peer", "p0", "--out", str(run), "--certs", str(certs),
                           "--set", "topology=/p2pfl/topology.yaml"]
     assert run.is_dir()
+    env.update(P2PFL_METRICS_PORT="9400", P2PFL_METRICS_HOST="0.0.0.0")
+    res = _entry([], env)
+    assert _argv(res)[-4:] == ["--metrics-port", "9400", "--metrics-host", "0.0.0.0"]
+    # the healthcheck is the light probe module, not the CLI (no torch/Flower import every 10 s)
     res = _entry(["--healthcheck"], env)
-    assert res.returncode == 0 and _argv(res) == ["health", "127.0.0.1:50051", "--certs", str(certs), "--peer", "p0"]
+    assert res.returncode == 0 and "EXE:python3" in res.stdout
+    assert _argv(res) == ["-m", "p2pfl.health", "127.0.0.1:50051", "--certs", str(certs), "--peer", "p0"]
     res = _entry(["certs", "--config", "c.yaml"], env)  # other subcommands pass through to p2pfl
     assert _argv(res) == ["certs", "--config", "c.yaml"]
 
@@ -290,8 +369,13 @@ def test_entrypoint_reports_misconfiguration(tmp_path: Path) -> None:
 
 def test_dockerfile_promises() -> None:
     text = DOCKERFILE.read_text()
-    assert "FROM ${BASE}" in text and "ARG BASE=python:3.11-slim" in text
-    assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in text
+    # a base made locally (docker/base-image.sh: debootstrap + docker import), no registry pull
+    assert "ARG BASE=p2pfl-base:bookworm" in text and "FROM ${BASE}" in text
+    assert "p2pfl-base:bookworm" in (REPO / "docker" / "base-image.sh").read_text()
+    # wheels from the wheelhouse (offline), CUDA by build argument; the wheels stay in the builder stage
+    assert "--no-index --find-links /tmp/wheels" in text and "ARG TORCH_INDEX=" in text
+    final = text[text.rindex("\nFROM "):]
+    assert "/tmp/wheels" not in final and "COPY --from=builder /opt/p2pfl /opt/p2pfl" in final
     users = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0"), "the peer must not run as root"
     assert "HEALTHCHECK" in text and "--healthcheck" in text
@@ -301,6 +385,26 @@ def test_dockerfile_promises() -> None:
     ignore = [ln for ln in (REPO / ".dockerignore").read_text().splitlines() if ln and not ln.startswith("#")]
     assert ignore[0] == "*", ".dockerignore must be an allowlist (keys never enter the build context)"
     assert "**/*.key" in ignore
+    assert "!docker/wheelhouse/" in ignore and "!docker/peer_requirements.py" in ignore
+
+
+def test_peer_image_carries_only_what_a_peer_imports() -> None:
+    """The image installs docker/peer_requirements.py's list: pyproject's dependencies minus the Flower
+    server stack, torchvision and matplotlib; `p2pfl node` and the health probe must not need them."""
+    res = subprocess.run([sys.executable, str(REPO / "docker" / "peer_requirements.py")], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    reqs = res.stdout.split()
+    names = {r.split(">")[0].split("=")[0].split("<")[0].lower() for r in reqs}
+    assert not names & {"flwr", "torchvision", "matplotlib", "torch"}
+    assert {"grpcio", "grpcio-health-checking", "cryptography", "numpy", "pyyaml"} <= names
+    code = ("import sys; import p2pfl.cli as c; c._mount(['node']); "
+            "import p2pfl.standalone, p2pfl.experiment, p2pfl.modelpool, p2pfl.runfolder, p2pfl.node, "
+            "p2pfl.transport.grpc_transport, p2pfl.node_metrics, p2pfl.health, p2pfl.checkpoint; "
+            "print(sorted(m for m in ('flwr', 'torchvision', 'matplotlib') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", f"a peer imports {res.stdout.strip()}, which the peer image leaves out"
 
 
 def test_module_imports_lazily() -> None:

@@ -18,9 +18,22 @@ Decisions (the user-facing version is in ``docker/README.md``):
 * **No ``depends_on``.** A ring (like most topologies) has cycles, which compose refuses, and peers
   need no start order: a node serves at once and waits for its neighbours within the per-round
   deadline (``network.round_timeout_s``), so start-up skew costs nothing.
-* **``restart: on-failure``.** A crashed or OOM-killed peer restarts and resumes from its checkpoint
-  in the run folder; a peer that finished exits 0 and stays down (``unless-stopped`` would restart
-  finished peers forever), and ``docker compose stop`` is never undone by the policy.
+* **``restart: on-failure:N``** (bounded, ``--restarts``). A crashed or OOM-killed peer restarts and
+  resumes from its checkpoint in the run folder; a peer that finished exits 0 and stays down
+  (``unless-stopped`` would restart finished peers forever); a peer that crashes at every start stops
+  after N tries instead of looping; ``docker compose stop`` is never undone by the policy.
+* **Networks.** ``--network compose`` (default): the compose network, service names as addresses.
+  ``--network host``: every container on the host's network (``network_mode: host``), the topology's
+  own addresses as they are (e.g. ``127.0.0.1:5005x``, distinct ports), for machines where containers
+  may not route private address ranges, and for one-host benchmarks.
+* **Resources.** Every service has CPU and memory limits (``--cpus``, ``--memory``), a build section
+  (``docker compose build`` makes the image from this checkout) and a healthcheck on the peer's gRPC
+  health service that imports neither torch nor Flower (``python -m p2pfl.health``).
+* **GPUs** (``--gpus``): one device per peer, round-robin over the listed (or counted, or detected)
+  devices, or an explicit ``peer=device`` mapping; ``all`` gives every peer every GPU.
+* **Metrics.** Each peer serves Prometheus ``/metrics`` on its own port (``--metrics-port`` base +
+  the peer's index in the topology; published on the host's loopback on the compose network), which
+  ``p2pfl watch --compose FILE`` and Prometheus scrape.
 * **Certificates** are host files made by ``p2pfl certs``, mounted read-only file by file: each
   container sees the CA certificate and its own certificate and key, never another peer's key.
 * **Data** is mounted read-only with downloads off (``P2PFL_NO_DOWNLOAD=1``), so the containers
@@ -55,22 +68,33 @@ if TYPE_CHECKING:
     from p2pfl.topology import Topology
 
 __all__ = [
-    "COMPOSE_VERSION",
     "ComposeError",
     "Deployment",
     "compose_command",
     "compose_topology",
+    "gpu_assignment",
     "is_service_host",
     "render_compose",
     "service_name",
 ]
 
-#: Compose file format: accepted by docker-compose 1.25+ (Debian's 1.29) and by Compose v2.
-COMPOSE_VERSION = "3.8"
+# The Compose Specification (no ``version:`` key, which Compose v2 calls obsolete): read by
+# docker-compose 1.27+ (Debian's 1.29) and by Compose v2.
 DEFAULT_IMAGE = "p2pfl:cpu"
 DEFAULT_GPU_IMAGE = "p2pfl:cuda"
 SERVICE_PREFIX = "peer-"
 RESTART = "on-failure"
+DEFAULT_RESTARTS = 3
+DEFAULT_CPUS = 1.0
+DEFAULT_MEMORY = "3g"
+DEFAULT_METRICS_PORT = 9400
+NETWORKS = ("compose", "host")
+DOCKERFILE = "docker/Dockerfile"
+#: Build arguments of the CUDA image (PyTorch's CUDA wheels; see docker/Dockerfile).
+CUDA_BUILD_ARGS = {"TORCH_INDEX": "https://download.pytorch.org/whl/cu130", "TORCH_VERSION": "2.14.1"}
+#: The healthcheck: the image's own (docker/entrypoint.sh --healthcheck), with compose's timings.
+HEALTHCHECK = {"test": ["CMD", "p2pfl-entrypoint", "--healthcheck"], "interval": "10s", "timeout": "10s",
+               "retries": 3, "start_period": "60s"}
 #: The user the containers run as; compose interpolates it from the environment of `docker compose`.
 USER = "${P2PFL_UID:-1000}:${P2PFL_GID:-1000}"
 # Paths inside the container; they are also docker/entrypoint.sh's defaults.
@@ -200,36 +224,134 @@ def _regen_command(config: str, out: Path, options: Sequence[str]) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def gpu_assignment(spec: str | None, peer_ids: Sequence[str]) -> dict[str, str | None] | None:
+    """Which GPU each peer gets: peer id -> device id (None: every GPU), or None without ``spec``.
+
+    ``spec``: ``all`` (every peer sees every GPU), ``auto`` (the devices ``nvidia-smi`` lists here),
+    a count ``N`` (devices 0..N-1), a list ``0,2,3``, or a mapping ``p0=0,p1=1`` that names every
+    peer. Counts, lists and detected devices are dealt round-robin in topology order, so with as many
+    GPUs as peers each peer has its own; with fewer, peers share them evenly.
+    """
+    if spec is None:
+        return None
+    spec = spec.strip()
+    if spec == "all":
+        return {pid: None for pid in peer_ids}
+    if "=" in spec:
+        mapping: dict[str, str] = {}
+        for item in spec.split(","):
+            pid, sep, dev = (s.strip() for s in item.partition("="))
+            if not sep or not pid or not dev.isdigit():
+                raise ComposeError(f"--gpus {spec!r}: {item!r} is not PEER=DEVICE (e.g. p0=0,p1=1)")
+            mapping[pid] = dev
+        unknown = sorted(set(mapping) - set(peer_ids))
+        missing = [pid for pid in peer_ids if pid not in mapping]
+        if unknown or missing:
+            raise ComposeError(f"--gpus {spec!r}: " + "; ".join(
+                ([f"unknown peers {unknown}"] if unknown else []) + ([f"no device for {missing}"] if missing else [])))
+        return {pid: mapping[pid] for pid in peer_ids}
+    if spec == "auto":
+        devices = _visible_gpus()
+        if not devices:
+            raise ComposeError("--gpus auto: nvidia-smi lists no GPU on this host; give a count or a list instead")
+    elif spec.isdigit():
+        if int(spec) < 1:
+            raise ComposeError(f"--gpus {spec!r}: the GPU count must be at least 1")
+        devices = [str(i) for i in range(int(spec))]
+    else:
+        devices = [d.strip() for d in spec.split(",")]
+        if not all(d.isdigit() for d in devices) or len(set(devices)) != len(devices):
+            raise ComposeError(f"--gpus {spec!r}: expected all, auto, a count, a list of distinct device "
+                               "indices (0,1) or a mapping (p0=0,p1=1)")
+    return {pid: devices[i % len(devices)] for i, pid in enumerate(peer_ids)}
+
+
+def _visible_gpus() -> list[str]:
+    """Indices of the GPUs ``nvidia-smi`` sees here (empty without the NVIDIA driver)."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        res = subprocess.run([exe, "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in res.stdout.splitlines() if line.strip().isdigit()]
+
+
+def default_context() -> Path | None:
+    """The checkout this package runs from, if it has the Dockerfile (an installed wheel has none)."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / DOCKERFILE).is_file() else None
+
+
 def render_compose(
     config: Path,
     *,
     out: Path = Path("docker-compose.yml"),
-    gpus: bool = False,
+    gpus: str | None = None,
     sets: Sequence[str] | None = None,
     image: str | None = None,
     certs: Path | None = None,
     data: Path | None = None,
     runs: Path | None = None,
     insecure: bool = False,
+    network: str = "compose",
+    cpus: float = DEFAULT_CPUS,
+    memory: str = DEFAULT_MEMORY,
+    restarts: int = DEFAULT_RESTARTS,
+    metrics_port: int | None = DEFAULT_METRICS_PORT,
+    context: Path | None = None,
 ) -> Deployment:
     """Build the compose file for ``config`` without writing anything.
 
     ``out`` fixes the deployment folder (its parent): host paths in the file are relative to it, and
     ``certs``, ``data`` and ``runs`` default to ``certs/``, ``data/`` and ``runs/<name>/`` there.
+    ``context``: the build context (a checkout with docker/Dockerfile; default: this package's own
+    checkout, or no build section when installed from a wheel). ``metrics_port``: base port of the
+    peers' ``/metrics`` (peer i serves base + i; None: off).
     Raises `ComposeError`, `p2pfl.config.ConfigError` or `p2pfl.topology.TopologyError`.
     """
     from p2pfl.config import load_config
     from p2pfl.topology import load_topology
 
+    if network not in NETWORKS:
+        raise ComposeError(f"--network {network!r}: expected one of {', '.join(NETWORKS)}")
+    if not cpus > 0:
+        raise ComposeError(f"--cpus {cpus}: must be > 0")
+    if not re.fullmatch(r"[1-9][0-9]*[kmg]?", memory.lower()):
+        raise ComposeError(f"--memory {memory!r}: expected a size such as 3g or 2048m")
+    if restarts < 1:
+        raise ComposeError(f"--restarts {restarts}: must be at least 1 (bounded restarts of a crashed peer)")
     sets = list(sets or [])
     cfg = load_config(config, sets)
     topo_file = Path(cfg.topology)
-    topo, rewritten = compose_topology(load_topology(topo_file))
+    if network == "host":
+        topo, rewritten = load_topology(topo_file), False
+        ports = [split_address(p.address)[1] for p in topo.peers]
+        if len(set(ports)) != len(ports):
+            raise ComposeError("--network host: every peer shares the host's network, so the topology's peers "
+                               "need distinct ports (e.g. 127.0.0.1:50050, 127.0.0.1:50051, ...)")
+    else:
+        topo, rewritten = compose_topology(load_topology(topo_file))
     if cfg.network.insecure and not insecure:
         raise ComposeError(
             "the config sets network.insecure, but a compose deployment uses mutual TLS: drop it "
             "(or --set network.insecure=false), or pass --insecure to p2pfl compose to deploy in plaintext on purpose"
         )
+    ids = list(topo.ids)
+    gpu_of = gpu_assignment(gpus, ids)
+    if metrics_port is not None:
+        taken = {split_address(p.address)[1] for p in topo.peers}
+        mports = {pid: metrics_port + i for i, pid in enumerate(ids)}
+        if not (0 < metrics_port and metrics_port + len(ids) - 1 <= 65535):
+            raise ComposeError(f"--metrics-port {metrics_port}: peers would serve /metrics outside 1..65535")
+        if set(mports.values()) & taken:
+            raise ComposeError(f"--metrics-port {metrics_port}: the metrics ports {metrics_port}.."
+                               f"{metrics_port + len(ids) - 1} collide with the peers' gRPC ports; choose another base")
 
     base = out.parent
     certs_dir = certs if certs is not None else base / "certs"
@@ -237,7 +359,9 @@ def render_compose(
     run_dir = runs if runs is not None else base / "runs" / cfg.name
     topology_copy = base / f"{out.stem}.topology.yaml" if rewritten else None
     host_topology = topology_copy if topology_copy is not None else topo_file
-    image = image or (DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE)
+    default_image = DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE
+    image = image or default_image
+    ctx = context if context is not None else default_context()
 
     # The containers see the config's own overrides, then the in-container topology path (last: it wins).
     args: list[str] = []
@@ -252,11 +376,20 @@ def render_compose(
         f"{_esc(_rel(data_dir, base))}:{IN_DATA}:ro",
         f"{_esc(_rel(run_dir, base))}:{IN_RUN}",
     ]
+    build: dict[str, Any] | None = None
+    if ctx is not None:
+        build = {"context": _esc(_rel(ctx, base)), "dockerfile": DOCKERFILE}
+        if network == "host":
+            build["network"] = "host"
+        if gpus:
+            build["args"] = dict(CUDA_BUILD_ARGS)
     services: dict[str, dict[str, Any]] = {}
     names: dict[str, str] = {}
+    metrics: dict[str, str] = {}
     for peer in topo.peers:
         host, port = split_address(peer.address)
-        names[peer.id] = host
+        name = service_name(peer.id) if network == "host" else host
+        names[peer.id] = name
         env = {
             "P2PFL_CERTS": IN_CERTS,
             "P2PFL_CONFIG": IN_CONFIG,
@@ -269,48 +402,82 @@ def render_compose(
         if insecure:
             env["P2PFL_INSECURE"] = "1"
         else:
-            for name in (CA_CERT, f"{peer.id}.crt", f"{peer.id}.key"):
-                volumes.append(f"{_esc(_rel(certs_dir / name, base))}:{IN_CERTS}/{name}:ro")
+            for fname in (CA_CERT, f"{peer.id}.crt", f"{peer.id}.key"):
+                volumes.append(f"{_esc(_rel(certs_dir / fname, base))}:{IN_CERTS}/{fname}:ro")
         svc: dict[str, Any] = {
             "command": list(args),
+            "cpus": cpus,
             "environment": env,
-            "expose": [str(port)],
+            "healthcheck": dict(HEALTHCHECK),
             "image": _esc(image),
             "init": True,
-            "restart": RESTART,
+            "mem_limit": memory.lower(),
+            "restart": f"{RESTART}:{restarts}",
             "stop_grace_period": _stop_grace(cfg),
             "user": USER,
             "volumes": volumes,
         }
-        if gpus:
-            svc["deploy"] = {"resources": {"reservations": {"devices": [
-                {"capabilities": ["gpu"], "count": "all", "driver": "nvidia"},
-            ]}}}
-        services[host] = _sorted(svc)
+        if build is not None:
+            svc["build"] = dict(build)
+        if network == "host":
+            svc["network_mode"] = "host"
+        else:
+            svc["expose"] = [str(port)]
+        if metrics_port is not None:
+            mport = mports[peer.id]
+            env["P2PFL_METRICS_PORT"] = str(mport)
+            if network == "host":
+                env["P2PFL_METRICS_HOST"] = "127.0.0.1"
+            else:  # inside its own network namespace; published on the host's loopback only
+                env["P2PFL_METRICS_HOST"] = "0.0.0.0"
+                svc["ports"] = [f"127.0.0.1:{mport}:{mport}"]
+            metrics[peer.id] = f"127.0.0.1:{mport}"
+        if gpu_of is not None:
+            dev: dict[str, Any] = {"capabilities": ["gpu"], "driver": "nvidia"}
+            if gpu_of[peer.id] is None:
+                dev["count"] = "all"
+            else:
+                dev["device_ids"] = [gpu_of[peer.id]]
+            svc["deploy"] = {"resources": {"reservations": {"devices": [dev]}}}
+        services[name] = _sorted(svc)
 
     options: list[str] = []
     if gpus:
-        options.append("--gpus")
+        options += ["--gpus", gpus]
     if insecure:
         options.append("--insecure")
-    if image != (DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE):
+    if network != "compose":
+        options += ["--network", network]
+    if image != default_image:
         options += ["--image", image]
+    for flag, value, default in (("--cpus", cpus, DEFAULT_CPUS), ("--memory", memory, DEFAULT_MEMORY),
+                                 ("--restarts", restarts, DEFAULT_RESTARTS)):
+        if value != default:
+            options += [flag, str(value)]
+    if metrics_port != DEFAULT_METRICS_PORT:
+        options += ["--metrics-port", str(metrics_port)] if metrics_port is not None else ["--no-metrics"]
     for flag, given, default in (("--certs", certs_dir, base / "certs"), ("--data", data_dir, base / "data"),
                                  ("--runs", run_dir, base / "runs" / cfg.name)):
         if os.path.abspath(given) != os.path.abspath(default):
             options += [flag, _rel(given, base)]
+    if ctx is not None and context is not None and os.path.abspath(ctx) != os.path.abspath(default_context() or ""):
+        options += ["--context", _rel(ctx, base)]
     for item in sets:
         options += ["--set", item]
 
     config_rel = _rel(config, base)
+    ext: dict[str, Any] = {
+        "config": _esc(config_rel),
+        "network": network,
+        "peers": {pid: names[pid] for pid in sorted(names)},
+        "run_dir": _esc(_rel(run_dir, base)),
+        "topology": _esc(_rel(host_topology, base)),
+        "topology_hash": topo.hash(),
+    }
+    if metrics:
+        ext["metrics"] = {pid: metrics[pid] for pid in sorted(metrics)}
     doc: dict[str, Any] = {
-        "version": COMPOSE_VERSION,
-        "x-p2pfl": {
-            "config": _esc(config_rel),
-            "peers": {pid: names[pid] for pid in sorted(names)},
-            "topology": _esc(_rel(host_topology, base)),
-            "topology_hash": topo.hash(),
-        },
+        "x-p2pfl": _sorted(ext),
         "services": {name: services[name] for name in sorted(services)},
     }
     import yaml
@@ -339,7 +506,9 @@ def compose_command(
     out: Annotated[Path, typer.Option("--out", "-o",
                                       help="compose file to write; its folder is the deployment folder")]
     = Path("docker-compose.yml"),
-    gpus: Annotated[bool, typer.Option("--gpus", help="reserve the host's GPUs for every peer (NVIDIA)")] = False,
+    gpus: Annotated[str | None, typer.Option(
+        "--gpus", help="NVIDIA GPUs, one per peer round-robin: a count (4), a list (0,1), auto (nvidia-smi), "
+        "a mapping (p0=0,p1=1), or all (every peer sees every GPU)")] = None,
     set: Annotated[list[str] | None, typer.Option(
         "--set", help="override a config value: dotted.key=VALUE (repeatable; the containers get it too)")] = None,
     image: Annotated[str | None, typer.Option(
@@ -352,6 +521,18 @@ def compose_command(
         help="run folder for metrics and checkpoints (default: runs/<name>/ next to the compose file)")] = None,
     insecure: Annotated[bool, typer.Option(
         "--insecure", help="plaintext gRPC between the containers, no certificates (debugging only)")] = False,
+    network: Annotated[str, typer.Option(
+        help="compose: service names on the compose network; host: the host's network and the topology's "
+        "own addresses (distinct ports)")] = "compose",
+    cpus: Annotated[float, typer.Option(help="CPU limit per peer")] = DEFAULT_CPUS,
+    memory: Annotated[str, typer.Option(help="memory limit per peer (e.g. 3g)")] = DEFAULT_MEMORY,
+    restarts: Annotated[int, typer.Option(help="restarts of a crashed peer before compose gives up")]
+    = DEFAULT_RESTARTS,
+    metrics_port: Annotated[int, typer.Option(
+        help="peers serve Prometheus /metrics on this port + their index in the topology")] = DEFAULT_METRICS_PORT,
+    no_metrics: Annotated[bool, typer.Option("--no-metrics", help="no /metrics endpoints")] = False,
+    context: Annotated[Path | None, typer.Option(
+        help="build context: a checkout with docker/Dockerfile (default: this p2pfl checkout)")] = None,
 ) -> None:
     """Write a docker-compose.yml with one service per peer of CONFIG's topology (see docker/README.md)."""
     from p2pfl.config import ConfigError
@@ -359,7 +540,8 @@ def compose_command(
 
     try:
         dep = render_compose(config, out=out, gpus=gpus, sets=set, image=image, certs=certs, data=data,
-                             runs=runs, insecure=insecure)
+                             runs=runs, insecure=insecure, network=network, cpus=cpus, memory=memory,
+                             restarts=restarts, metrics_port=None if no_metrics else metrics_port, context=context)
     except (ComposeError, ConfigError, TopologyError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -384,4 +566,5 @@ def compose_command(
             typer.echo(f"next: make the certificates ({len(missing)} files missing in {dep.certs_dir}):\n"
                        f"  p2pfl certs --config {shlex.quote(str(config))} --out {shlex.quote(str(dep.certs_dir))}"
                        + (f" {sets}" if sets else ""))
-    typer.echo(f"then: docker compose -f {shlex.quote(str(out))} up -d   (watch: docker compose logs -f)")
+    typer.echo(f"then: docker compose -f {shlex.quote(str(out))} up -d   "
+               f"(watch: p2pfl watch --compose {shlex.quote(str(out))})")

@@ -1,0 +1,264 @@
+"""``p2pfl k8s``: Kubernetes manifests for an experiment, one pod per peer, generated like the compose file.
+
+Why this shape (the user-facing version is ``docs/deploy.md``):
+
+* **One StatefulSet per peer** (replicas 1), all behind **one headless Service**. A peer is not an
+  interchangeable replica: it has its own id, key and data split. A StatefulSet gives its pod a stable
+  DNS name (``<statefulset>-0.<service>``, the address its neighbours dial), a persistent volume that
+  survives restarts (the run folder: metrics and checkpoints, so a rescheduled pod resumes), and
+  ordered, at-most-one-pod semantics (two copies of a peer never run at once). One StatefulSet for all
+  peers would force every pod to mount every peer's key.
+* **Addresses** are rewritten to ``peer-<id>-0.<service>:<port>`` in the topology the ConfigMap
+  carries; the certificates need no DNS names because peers verify each other by peer id
+  (``grpc.ssl_target_name_override``), exactly as on loopback and in compose.
+* **Certificates as Secrets**, one per peer (``p2pfl-certs-<id>``: ``ca.crt``, ``<id>.crt``,
+  ``<id>.key``), written to a separate ``secrets.yaml`` (mode 0600, never to be committed) from a
+  folder made by ``p2pfl certs``; without ``--certs`` the manifests reference them and the docs say
+  how to create them with ``kubectl create secret``.
+* **Health** uses the same probe as the container HEALTHCHECK (``p2pfl-entrypoint --healthcheck``,
+  no torch import) for readiness and liveness; the headless Service publishes not-ready addresses,
+  so peers find each other while starting (a peer waits for its neighbours within the round deadline).
+* **GPUs**: ``--gpus N`` requests ``nvidia.com/gpu: N`` per pod: the scheduler gives each peer its own.
+* **Metrics**: each pod serves ``/metrics`` on the same port, annotated for Prometheus scraping.
+* Deterministic output (sorted keys, no timestamps), like ``p2pfl compose``.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from p2pfl.deploy.compose import (
+    CA_CERT,
+    DEFAULT_GPU_IMAGE,
+    DEFAULT_IMAGE,
+    IN_CERTS,
+    IN_CONFIG,
+    IN_RUN,
+    IN_TOPOLOGY,
+    ComposeError,
+    _override_key,
+    _sorted,
+    service_name,
+)
+
+__all__ = ["K8sError", "Manifests", "k8s_command", "render_k8s"]
+
+SERVICE = "p2pfl"
+CONFIGMAP = "p2pfl-config"
+GRPC_PORT = 50051
+METRICS_PORT = 9400
+APP_LABEL = "app.kubernetes.io/name"
+PEER_LABEL = "p2pfl.dev/peer"
+_QUANTITY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
+
+
+class K8sError(ComposeError):
+    """The config cannot become Kubernetes manifests; the message says why."""
+
+
+@dataclass(frozen=True)
+class Manifests:
+    """``documents``: every manifest but the Secrets; ``secrets``: the Secrets (None without ``certs``)."""
+
+    documents: list[dict[str, Any]]
+    secrets: list[dict[str, Any]] | None
+    statefulsets: dict[str, str]  # peer id -> StatefulSet name
+
+
+def secret_name(peer_id: str) -> str:
+    return f"p2pfl-certs-{service_name(peer_id).removeprefix('peer-')}"
+
+
+def pod_address(peer_id: str, service: str = SERVICE, port: int = GRPC_PORT) -> str:
+    """The DNS name a peer's pod has inside the namespace (StatefulSet pod 0 behind the headless service)."""
+    return f"{service_name(peer_id)}-0.{service}:{port}"
+
+
+def _quantity(value: str, what: str) -> str:
+    if not _QUANTITY_RE.match(value):
+        raise K8sError(f"--{what} {value!r}: not a Kubernetes quantity (e.g. 1, 500m, 3Gi)")
+    return value
+
+
+def render_k8s(
+    config: Path,
+    *,
+    sets: Sequence[str] | None = None,
+    image: str | None = None,
+    gpus: int = 0,
+    certs: Path | None = None,
+    namespace: str | None = None,
+    cpu: str = "1",
+    memory: str = "3Gi",
+    storage: str = "1Gi",
+    insecure: bool = False,
+) -> Manifests:
+    """Build the manifests for ``config`` without writing anything (`K8sError`, ConfigError, TopologyError)."""
+    from p2pfl.config import load_config
+    from p2pfl.topology import Peer, load_topology
+
+    sets = list(sets or [])
+    cfg = load_config(config, sets)
+    if cfg.network.insecure and not insecure:
+        raise K8sError("the config sets network.insecure, but the manifests use mutual TLS: drop it, "
+                       "or pass --insecure to p2pfl k8s to deploy in plaintext on purpose")
+    if gpus < 0:
+        raise K8sError(f"--gpus {gpus}: must be >= 0")
+    for value, what in ((cpu, "cpu"), (memory, "memory"), (storage, "storage")):
+        _quantity(value, what)
+    if namespace is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", namespace):
+        raise K8sError(f"--namespace {namespace!r}: not a DNS label")
+    topo = load_topology(cfg.topology)
+    from dataclasses import replace
+
+    peers = tuple(Peer(id=p.id, address=pod_address(p.id)) for p in topo.peers)
+    names = {p.id: service_name(p.id) for p in topo.peers}
+    if len(set(names.values())) != len(names):
+        raise K8sError("two peer ids map to the same StatefulSet name; rename one of them")
+    pod_topo = replace(topo, peers=peers)
+    image = image or (DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE)
+    meta_ns = {"namespace": namespace} if namespace else {}
+    common = {APP_LABEL: "p2pfl", "app.kubernetes.io/part-of": cfg.name[:63]}
+
+    args: list[str] = []
+    for item in sets:
+        if _override_key(item) != "topology":
+            args += ["--set", item]
+    args += ["--set", f"topology={IN_TOPOLOGY}"]
+
+    docs: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "ConfigMap",
+         "metadata": {"name": CONFIGMAP, "labels": dict(common), **meta_ns},
+         "data": {"config.yaml": Path(config).read_text(encoding="utf-8"), "topology.yaml": pod_topo.to_yaml()}},
+        {"apiVersion": "v1", "kind": "Service",
+         "metadata": {"name": SERVICE, "labels": dict(common), **meta_ns},
+         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {APP_LABEL: "p2pfl"},
+                  "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc"},
+                            {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]}},
+    ]
+    probe = {"exec": {"command": ["p2pfl-entrypoint", "--healthcheck"]}, "periodSeconds": 15, "timeoutSeconds": 10,
+             "failureThreshold": 3}
+    for peer in topo.peers:
+        name = names[peer.id]
+        labels = {**common, PEER_LABEL: peer.id}
+        env = {"P2PFL_PEER": peer.id, "P2PFL_PORT": str(GRPC_PORT), "P2PFL_CONFIG": IN_CONFIG,
+               "P2PFL_CERTS": IN_CERTS, "P2PFL_RUN_DIR": IN_RUN, "P2PFL_NO_DOWNLOAD": "1",
+               "P2PFL_METRICS_PORT": str(METRICS_PORT), "P2PFL_METRICS_HOST": "0.0.0.0"}
+        if insecure:
+            env["P2PFL_INSECURE"] = "1"
+        limits: dict[str, Any] = {"cpu": cpu, "memory": memory}
+        if gpus:
+            limits["nvidia.com/gpu"] = gpus
+        mounts = [{"name": "config", "mountPath": IN_CONFIG, "subPath": "config.yaml", "readOnly": True},
+                  {"name": "config", "mountPath": IN_TOPOLOGY, "subPath": "topology.yaml", "readOnly": True},
+                  {"name": "run", "mountPath": IN_RUN}]
+        volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": CONFIGMAP}}]
+        if not insecure:
+            mounts.append({"name": "certs", "mountPath": IN_CERTS, "readOnly": True})
+            volumes.append({"name": "certs", "secret": {"secretName": secret_name(peer.id), "defaultMode": 0o400}})
+        container = {
+            "name": "peer", "image": image, "imagePullPolicy": "IfNotPresent", "args": list(args),
+            "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
+            "ports": [{"name": "grpc", "containerPort": GRPC_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}],
+            "resources": {"requests": dict(limits), "limits": dict(limits)},
+            "readinessProbe": {**probe, "initialDelaySeconds": 5},
+            "livenessProbe": {**probe, "initialDelaySeconds": 60},
+            "volumeMounts": mounts,
+        }
+        pod_spec: dict[str, Any] = {
+            "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000, "runAsNonRoot": True},
+            "terminationGracePeriodSeconds": int(float(cfg.network.round_timeout_s)) + 60,
+            "containers": [container],
+            "volumes": volumes,
+        }
+        docs.append({
+            "apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": {"name": name, "labels": labels, **meta_ns},
+            "spec": {
+                "serviceName": SERVICE, "replicas": 1, "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": {APP_LABEL: "p2pfl", PEER_LABEL: peer.id}},
+                "template": {"metadata": {"labels": labels, "annotations": {
+                    "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
+                    "prometheus.io/path": "/metrics"}}, "spec": pod_spec},
+                "volumeClaimTemplates": [{"metadata": {"name": "run"}, "spec": {
+                    "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": storage}}}}],
+            },
+        })
+
+    secrets = None
+    if certs is not None and not insecure:
+        secrets = []
+        for peer in topo.peers:
+            files = [CA_CERT, f"{peer.id}.crt", f"{peer.id}.key"]
+            missing = [f for f in files if not (certs / f).is_file()]
+            if missing:
+                raise K8sError(f"--certs {certs}: {', '.join(missing)} not found; make them with "
+                               f"`p2pfl certs --config {config} --out {certs}`")
+            secrets.append({
+                "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                "metadata": {"name": secret_name(peer.id), "labels": {**common, PEER_LABEL: peer.id}, **meta_ns},
+                "data": {f: base64.b64encode((certs / f).read_bytes()).decode("ascii") for f in files},
+            })
+    return Manifests(documents=[_sorted(d) for d in docs],
+                     secrets=None if secrets is None else [_sorted(s) for s in secrets],
+                     statefulsets=names)
+
+
+def dump_all(documents: list[dict[str, Any]], header: str) -> str:
+    import yaml
+
+    return header + "".join("---\n" + yaml.safe_dump(d, sort_keys=False, width=120) for d in documents)
+
+
+def k8s_command(
+    config: Annotated[Path, typer.Option("--config", "-c", help="experiment config YAML")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="folder for p2pfl.yaml (and secrets.yaml)")] = Path("k8s"),
+    set: Annotated[list[str] | None, typer.Option(
+        "--set", help="override a config value: dotted.key=VALUE (repeatable; the pods get it too)")] = None,
+    image: Annotated[str | None, typer.Option(
+        help=f"image every peer runs, e.g. a registry path (default {DEFAULT_IMAGE}, {DEFAULT_GPU_IMAGE} with --gpus)")]
+    = None,
+    gpus: Annotated[int, typer.Option(help="NVIDIA GPUs each peer's pod requests (nvidia.com/gpu)")] = 0,
+    certs: Annotated[Path | None, typer.Option(
+        help="folder made by `p2pfl certs`: write the per-peer Secrets to secrets.yaml (mode 0600)")] = None,
+    namespace: Annotated[str | None, typer.Option(help="namespace of every object (default: kubectl's)")] = None,
+    cpu: Annotated[str, typer.Option(help="CPU request and limit per peer")] = "1",
+    memory: Annotated[str, typer.Option(help="memory request and limit per peer")] = "3Gi",
+    storage: Annotated[str, typer.Option(help="size of each peer's run-folder volume")] = "1Gi",
+    insecure: Annotated[bool, typer.Option("--insecure", help="plaintext gRPC, no Secrets (debugging only)")] = False,
+) -> None:
+    """Write Kubernetes manifests: one StatefulSet per peer, a headless Service, config and certificate Secrets."""
+    from p2pfl.config import ConfigError
+    from p2pfl.topology import TopologyError
+
+    try:
+        man = render_k8s(config, sets=set, image=image, gpus=gpus, certs=certs, namespace=namespace, cpu=cpu,
+                         memory=memory, storage=storage, insecure=insecure)
+    except (ComposeError, ConfigError, TopologyError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    out.mkdir(parents=True, exist_ok=True)
+    header = (f"# Generated by `p2pfl k8s` from {config}: do not edit, regenerate. Deploy: docs/deploy.md\n"
+              f"# kubectl apply -f {out}/secrets.yaml -f {out}/p2pfl.yaml\n")
+    (out / "p2pfl.yaml").write_text(dump_all(man.documents, header), encoding="utf-8")
+    typer.echo(f"wrote {out / 'p2pfl.yaml'}: {len(man.statefulsets)} StatefulSets behind service {SERVICE!r}")
+    if man.secrets is not None:
+        path = out / "secrets.yaml"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(dump_all(man.secrets, "# Per-peer TLS keys: mode 0600, never commit this file.\n"))
+        os.chmod(path, 0o600)
+        typer.echo(f"wrote {path}: {len(man.secrets)} Secrets (private keys: keep it out of version control)")
+    elif not insecure:
+        typer.echo("next: create the per-peer Secrets (docs/deploy.md), e.g. for peer p0:\n"
+                   "  kubectl create secret generic p2pfl-certs-p0 --from-file=certs/ca.crt "
+                   "--from-file=certs/p0.crt --from-file=certs/p0.key")
+    typer.echo(f"then: kubectl apply -f {out}   (watch: kubectl get pods -l {APP_LABEL}=p2pfl)")
