@@ -51,6 +51,10 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
     torch.set_num_threads(1)  # before any torch work, so a forked worker inherits no thread pool
     run_dir = Path(out_dir)
     exp = experiment or Experiment.from_config(cfg)
+    if (cfg.raw.get("simulation") or {}).get("engine", "exact") == "batched":
+        from p2pfl.engine.batched import simulate_batched
+
+        return simulate_batched(cfg, exp, run_dir, progress=progress, resume=resume)
     topo = exp.topology
     ids = list(topo.ids)
     start = prepare_resume(run_dir, ids, before=cfg.rounds) if resume else 0

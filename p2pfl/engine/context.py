@@ -1,0 +1,204 @@
+"""The batched engine's training context: every peer a slice of one stacked ``[peers, numel]`` buffer.
+
+It offers what ``TrainContext`` offers the algorithms (``train(block, phase)``, ``gradients``,
+``layout``, ``batched``), so each algorithm's ``local_update`` runs unchanged on a stack of peers:
+one forward/backward for all peers per step (``torch.func.vmap`` over ``functional_call`` with
+``grad``), then the shared update rules of ``p2pfl.algorithms.rules`` on the stacked tensors.
+
+Each peer draws its minibatches from its own generator through ``position_batches``, exactly the
+draws of the exact engine. Peers whose data differ in size take different numbers of steps: a
+batch shorter than the longest is padded (its padding has weight 0 in the loss), and a peer whose
+epoch has ended is inactive for the remaining steps of the phase: it does not move, nor does its
+momentum buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from p2pfl.algorithms.local_sgd import GradTerm, Phase, block_names, position_batches
+from p2pfl.algorithms.rules import clip_grads, sam_perturbation, sgd_step_
+from p2pfl.data.datasets import ArrayDataset
+from p2pfl.data.loader import PeerData
+from p2pfl.models.layout import ParamLayout
+
+#: Most samples one vectorized evaluation forward holds (peers x rows), to bound memory.
+EVAL_ROWS = 8192
+
+
+def _weighted_ce(logits: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    """Mean cross-entropy over the real (weight 1) samples of a padded batch."""
+    return (F.cross_entropy(logits, y, reduction="none") * w).sum() / w.sum().clamp(min=1.0)
+
+
+class _Rows:
+    """Where peer i's train (or test) position p lives in the tensors the engine gathers from.
+
+    On CPU: the shared dataset itself (row = the peer's dataset index); on a GPU: one device copy
+    of all peers' subsets, concatenated (row = offset_i + p), gathered by one ``index_select``.
+    """
+
+    def __init__(self, x: Tensor, y: Tensor, indices: list[np.ndarray], device: torch.device) -> None:
+        idx = [torch.from_numpy(np.array(i, dtype=np.int64)) for i in indices]
+        if device.type == "cpu":
+            self.x, self.y, self.maps = x, y, idx
+        else:
+            cat = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+            self.x = x.index_select(0, cat).to(device)
+            self.y = y.index_select(0, cat).to(device)
+            offsets = np.cumsum([0] + [len(i) for i in idx[:-1]])
+            self.maps = [torch.arange(len(i), dtype=torch.int64) + int(o) for i, o in zip(idx, offsets, strict=True)]
+        self.device = device
+
+    def gather(self, positions: list[Tensor | None], width: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``x [peers, width, ...]``, ``y [peers, width]`` and weights (1 real, 0 padding)."""
+        rows = torch.zeros(len(positions), width, dtype=torch.int64)
+        w = torch.zeros(len(positions), width)
+        for i, pos in enumerate(positions):
+            if pos is not None and pos.numel():
+                n = int(pos.numel())
+                rows[i, :n] = self.maps[i].index_select(0, pos.cpu())
+                w[i, :n] = 1.0
+        flat = rows.reshape(-1).to(self.device)
+        x = self.x.index_select(0, flat).reshape(len(positions), width, *self.x.shape[1:])
+        y = self.y.index_select(0, flat).reshape(len(positions), width)
+        return x, y, w.to(self.device)
+
+
+class BatchedContext:
+    """Train and evaluate a stack of peers whose parameters are the rows of ``flat``."""
+
+    batched: ClassVar[bool] = True
+
+    def __init__(self, model: nn.Module, layout: ParamLayout, dataset: ArrayDataset, datas: list[PeerData],
+                 generators: list[torch.Generator], flat: Tensor, device: torch.device) -> None:
+        self.model = model.to(device)
+        self.layout = layout
+        self.datas = datas
+        self.generators = generators
+        self.flat = flat
+        self.device = device
+        self.num_peers = len(datas)
+        self._train = _Rows(dataset.train_x, dataset.train_y, [d.train_indices for d in datas], device)
+        self._test = _Rows(dataset.test_x, dataset.test_y, [d.test_indices for d in datas], device)
+
+        def loss(trained: dict[str, Tensor], frozen: dict[str, Tensor], x: Tensor, y: Tensor, w: Tensor):
+            out = _weighted_ce(functional_call(self.model, {**trained, **frozen}, (x,)), y, w)
+            return out, out.detach()
+
+        # one forward/backward for every peer: vmap over the peer dimension of all arguments
+        self._grad = vmap(grad(loss, has_aux=True))
+
+    # -- what algorithms call -------------------------------------------------------------------
+    def train(self, block: str, phase: Phase, *, grad_term: GradTerm | None = None,
+              project: Tensor | None = None) -> Tensor | None:
+        """One phase for every peer at once; the mean loss per peer (``[peers]``), None if empty."""
+        if phase.empty:
+            return None
+        names = block_names(self.layout, block)
+        views = self.layout.views(self.flat)
+        trained = {n: views[n] for n in names}
+        frozen = {n: v for n, v in views.items() if n not in trained}
+        masks = self.layout.views(project) if project is not None else None
+        lr = _uniform(phase.lr)
+        bufs: list[Tensor | None] = [None] * len(names)
+        loss_sum = torch.zeros(self.num_peers, device=self.device)
+        steps = torch.zeros(self.num_peers, device=self.device)
+        model_mode(self.model, train=True)
+        for positions in self._lockstep(phase):
+            active = torch.tensor([p is not None for p in positions], device=self.device)
+            x, y, w = self._train.gather(positions, max(int(p.numel()) for p in positions if p is not None))
+            grads, loss = self._grad(trained, frozen, x, y, w)
+            g = [grads[n] for n in names]
+            if phase.sam_rho > 0:  # the gradient again at w + rho g / ||g||, on the same minibatch
+                e = sam_perturbation(g, phase.sam_rho, bdims=1)
+                perturbed = {n: trained[n] + en for n, en in zip(names, e, strict=True)}
+                grads, _ = self._grad(perturbed, frozen, x, y, w)
+                g = [grads[n] for n in names]
+            if phase.grad_clip > 0:
+                g = clip_grads(g, phase.grad_clip, bdims=1)
+            if grad_term is not None:
+                g = [gn.add(grad_term(n, trained[n])) for n, gn in zip(names, g, strict=True)]
+            sgd_step_([trained[n] for n in names], g, bufs, lr=lr, momentum=phase.momentum,
+                      weight_decay=phase.weight_decay, active=active)
+            if masks is not None:
+                for n, v in views.items():
+                    v.mul_(masks[n])
+            loss_sum += torch.where(active, loss, 0.0)
+            steps += active.to(steps.dtype)
+        return loss_sum / steps.clamp(min=1.0)
+
+    def gradients(self, names: list[str]) -> dict[str, Tensor]:
+        """Per peer, the loss gradient of the named parameters on one minibatch from its generator."""
+        positions: list[Tensor | None] = [d.sample_positions(g) for d, g in zip(self.datas, self.generators,
+                                                                               strict=True)]
+        views = self.layout.views(self.flat)
+        trained = {n: views[n] for n in names}
+        frozen = {n: v for n, v in views.items() if n not in trained}
+        x, y, w = self._train.gather(positions, max(int(p.numel()) for p in positions if p is not None))
+        model_mode(self.model, train=True)
+        grads, _ = self._grad(trained, frozen, x, y, w)
+        return {n: grads[n] for n in names}
+
+    # -- evaluation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> tuple[Tensor, Tensor]:
+        """Per peer: (mean test loss, accuracy) on its own test split, as ``PeerApp.evaluate``."""
+        model_mode(self.model, train=False)
+        params = self.layout.views(self.flat)
+        counts = [d.num_test for d in self.datas]
+        loss_sum = torch.zeros(self.num_peers, dtype=torch.float64, device=self.device)
+        correct = torch.zeros(self.num_peers, dtype=torch.float64, device=self.device)
+        width = max(1, EVAL_ROWS // max(1, self.num_peers))
+
+        def forward(p: dict[str, Tensor], x: Tensor) -> Tensor:
+            return functional_call(self.model, p, (x,))
+
+        batched_forward = vmap(forward)
+        for start in range(0, max(counts, default=0), width):
+            positions: list[Tensor | None] = [
+                torch.arange(start, min(n, start + width)) if start < n else None for n in counts]
+            x, y, w = self._test.gather(positions, width)
+            logits = batched_forward(params, x)
+            ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(w)
+            loss_sum += (ce * w).sum(1).double()
+            correct += ((logits.argmax(-1) == y).to(w.dtype) * w).sum(1).double()
+        n = torch.tensor(counts, dtype=torch.float64, device=self.device).clamp(min=1.0)
+        return loss_sum / n, correct / n
+
+    # -- internals ------------------------------------------------------------------------------
+    def _lockstep(self, phase: Phase) -> Iterator[list[Tensor | None]]:
+        """Each step, every peer's next minibatch positions (None once its phase has ended)."""
+        iters = [position_batches(d, g, **phase.work()) for d, g in zip(self.datas, self.generators, strict=True)]
+        live = [True] * len(iters)
+        while True:
+            out: list[Tensor | None] = []
+            for i, it in enumerate(iters):
+                pos = next(it, None) if live[i] else None
+                live[i] = pos is not None
+                out.append(pos)
+            if not any(live):
+                return
+            yield out
+
+
+def _uniform(lr: Any) -> Any:
+    """A per-peer learning rate that is the same for every peer becomes a float (the exact path's op)."""
+    if isinstance(lr, Tensor):
+        if lr.numel() and bool((lr == lr.reshape(-1)[0]).all()):
+            return float(lr.reshape(-1)[0])
+        return lr
+    return float(lr)
+
+
+def model_mode(model: nn.Module, *, train: bool) -> None:
+    """``train()``/``eval()`` only when it changes (the zoo has no mode-dependent layer, but users may)."""
+    if model.training != train:
+        model.train(train)
