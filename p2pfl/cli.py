@@ -276,7 +276,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 #: Packages a lazy command may need that an install can leave out (the peer image has no Flower).
 OPTIONAL_STACKS = frozenset({"flwr", "torchvision", "matplotlib"})
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
-    "flower": ("peers.flower", "flower_command"),
+    "flower": ("p2pfl.flower.cli", "flower_command"),
     "compose": ("p2pfl.deploy.compose", "compose_command"),
     "k8s": ("p2pfl.deploy.k8s", "k8s_command"),
     "watch": ("p2pfl.watch", "watch_command"),

@@ -15,7 +15,6 @@ from typing import TypeVar
 import numpy as np
 import torch
 from flwr.app import (
-    DEFAULT_TTL,
     Array,
     ArrayRecord,
     ConfigRecord,
@@ -30,6 +29,7 @@ from p2pfl.models.layout import TensorSpec
 ARRAYS_KEY = "arrays"  # what Flower's strategies send and quickstart apps read
 CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
+TTL_S = 43_200.0  # Flower's default message time-to-live (12 h); a peer's own messages never wait that long
 
 _R = TypeVar("_R", ArrayRecord, ConfigRecord, MetricRecord)
 
@@ -114,7 +114,7 @@ def instruction(content: RecordDict, message_type: str, *, run_id: int, src_node
     ClientApp a message plays that part, so the id is given here.
     """
     metadata = Metadata(run_id=run_id, message_id=message_id, src_node_id=src_node_id, dst_node_id=dst_node_id,
-                        reply_to_message_id="", group_id=group_id, created_at=time.time(), ttl=DEFAULT_TTL,
+                        reply_to_message_id="", group_id=group_id, created_at=time.time(), ttl=TTL_S,
                         message_type=message_type)
     return Message(content, metadata=metadata)
 

@@ -1,0 +1,485 @@
+"""Centralized baselines on Flower's own runtime: FedAvg, FedPer and FedRep.
+
+Why: a decentralized run is only judged fairly against a server run on the very same data
+partition, models, initial weights and local update rule, so that a difference in accuracy is
+the difference between a server and a gossip graph, nothing else. So the peers' ClientApp
+(``make_client_app``) runs the experiment's own ``Algorithm.local_update`` (the code a
+decentralized ``Node`` runs), and Flower's unmodified ``FedAvg`` aggregates:
+
+==========  ========================================  ==========================================
+baseline    what the server averages                  local rule (the config's algorithm)
+==========  ========================================  ==========================================
+fedavg      the whole model                           one joint pass (local, dfedavg, ...)
+fedper      the shared body; heads stay on the nodes  one joint pass (local, dfedavg, ...)
+fedrep      the shared body; heads stay on the nodes  head phase then body phase (deprl, ...)
+==========  ========================================  ==========================================
+
+Runtime: ``flwr.simulation.run_simulation`` with the Ray backend (``flwr[simulation]``). Where
+Ray is not installed, an in-process loop delivers the same messages to the same ClientApp and
+aggregates with the same strategy object (its ``aggregate_*`` methods need no runtime); the
+run folder's ``summary.json`` says which ran (``runtime``). No Flower private state is written:
+instruction messages of the in-process loop are built with Flower's public ``Metadata``.
+
+Per-peer metrics: the strategy (``RecordingFedAvg``) sees every reply before it aggregates; the
+ClientApp tags its replies with its peer id (a ``ConfigRecord``, which FedAvg ignores). Replies
+are aggregated in peer order, so a run is bitwise repeatable whatever order they arrived in.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+
+from p2pfl.algorithms import Algorithm, PeerState, TrainContext
+from p2pfl.config import ExperimentConfig, parse_config
+from p2pfl.experiment import Experiment, peer_seed
+from p2pfl.flower.records import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    METRICS_KEY,
+    array_record,
+    instruction,
+    load_arrays,
+    number,
+    record_bytes,
+    record_of,
+    tensor_of,
+)
+from p2pfl.modelpool import ModelPool
+from p2pfl.peerapp import PeerApp
+from p2pfl.runfolder import MetricsWriter, plot_accuracy, sort_metrics, summarize, write_inputs, write_summary
+
+log = logging.getLogger(__name__)
+
+PEER_KEY = "peer"  # ConfigRecord in every reply: {"peer-id": ...}
+FIRST_NODE_ID = 2  # in-process node ids (Flower's SuperLink is node 1)
+STATE_PERSONAL, STATE_RNG, STATE_EXTRA, STATE_SCALARS, STATE_ROUND = (
+    "p2pfl.personal", "p2pfl.rng", "p2pfl.extra", "p2pfl.scalars", "p2pfl.round")
+JOINT = ("local", "dfedavg", "dfedavgm", "dpsgd", "dfedsam")
+ALTERNATING = ("deprl", "dfedmdc", "dfedsmdc")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    name: str
+    scope: str  # "all": the server averages the whole model; "shared": the body only
+    rules: tuple[str, ...]  # algorithms whose local rule this baseline uses
+
+
+BASELINES: dict[str, Baseline] = {
+    "fedavg": Baseline("fedavg", "all", JOINT),
+    "fedper": Baseline("fedper", "shared", JOINT),
+    "fedrep": Baseline("fedrep", "shared", ALTERNATING),
+}
+
+
+class FlowerPeerError(RuntimeError):
+    """A peer's ClientApp failed; the run stops (a silently skipped peer would bias the baseline)."""
+
+
+def baseline_of(name: str, algorithm: str) -> Baseline:
+    """The baseline ``name``, refused unless the config's algorithm has its kind of local rule."""
+    if name not in BASELINES:
+        raise ValueError(f"baseline: unknown {name!r} (allowed: {', '.join(BASELINES)})")
+    b = BASELINES[name]
+    if algorithm not in b.rules:
+        raise ValueError(f"baseline {name}: algorithm.name {algorithm!r} is not a {name} local rule "
+                         f"(allowed: {', '.join(b.rules)})")
+    return b
+
+
+# -- the peers' ClientApp ----------------------------------------------------------------------------
+_EXPERIMENTS: dict[str, Experiment] = {}
+_EXPERIMENTS_LOCK = threading.Lock()
+
+
+def portable_config(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The resolved config with absolute paths, so a Ray worker (another cwd) reads the same files."""
+    raw = json.loads(json.dumps(cfg.raw))
+    raw["topology"] = str(Path(raw["topology"]).resolve())
+    if isinstance(raw.get("data"), dict) and raw["data"].get("root"):
+        raw["data"]["root"] = str(Path(raw["data"]["root"]).resolve())
+    return raw
+
+
+def experiment_for(raw: dict[str, Any], experiment: Experiment | None = None) -> Experiment:
+    """One Experiment per config per process (a Ray worker builds it once, on its first message)."""
+    key = json.dumps(raw, sort_keys=True)
+    with _EXPERIMENTS_LOCK:
+        if experiment is not None:
+            _EXPERIMENTS.setdefault(key, experiment)
+        if key not in _EXPERIMENTS:
+            _EXPERIMENTS[key] = Experiment.from_config(parse_config(raw))
+        return _EXPERIMENTS[key]
+
+
+@dataclass
+class _Peer:
+    """What a peer needs that is a pure function of the config (rebuilt, never persisted)."""
+
+    peer_id: str
+    index: int
+    app: PeerApp
+    algorithm: Algorithm
+
+
+class BaselinePeers:
+    """The train/evaluate handlers of every peer of one experiment, for one baseline.
+
+    State that persists across rounds (the personal head, algorithm state, the peer's generator
+    and round) lives in ``Context.state`` as records, where a Flower SuperNode keeps per-run node
+    state; the runtime hands it back with every message. Only the config travels with the app
+    (it is pickled to Ray's workers per message), and each process rebuilds the experiment once.
+    """
+
+    def __init__(self, raw: dict[str, Any], baseline: str) -> None:
+        self.raw = raw
+        self.baseline = baseline
+        self._cache: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"raw": self.raw, "baseline": self.baseline}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["raw"], state["baseline"])  # type: ignore[misc]
+
+    @property
+    def exp(self) -> Experiment:
+        if "exp" not in self._cache:
+            self._cache["exp"] = experiment_for(self.raw)
+            self._cache["scope"] = BASELINES[self.baseline].scope
+            self._cache["models"] = ModelPool(self._cache["exp"].model_factory, 1)
+            self._cache["peers"] = {}
+        return self._cache["exp"]
+
+    def peer_of(self, context: Context) -> _Peer:
+        """Which peer a node is: ``node_config["peer-id"]``, else its ``partition-id``."""
+        exp = self.exp
+        ids = exp.topology.ids
+        cfg = context.node_config
+        if "peer-id" in cfg:
+            pid = str(cfg["peer-id"])
+        else:
+            n = int(cfg.get("num-partitions", len(ids)))
+            if n != len(ids):
+                raise ValueError(f"{n} nodes for a topology of {len(ids)} peers: run one node per peer")
+            pid = ids[int(cfg["partition-id"])]
+        peers: dict[str, _Peer] = self._cache["peers"]
+        if pid not in peers:
+            i = exp.topology.index(pid)
+            peers[pid] = _Peer(pid, i, PeerApp(pid, exp.model_factory, exp.peer_data(pid), exp.device),
+                               exp.new_algorithm())
+        return peers[pid]
+
+    # -- Context.state ----------------------------------------------------------------------------
+    def _restore(self, peer: _Peer, context: Context, flat: torch.Tensor) -> tuple[PeerState, torch.Generator]:
+        """Fill ``flat``'s personal part (scope "shared") and rebuild PeerState + generator from the state.
+
+        On first use, start as ``Experiment.make_node`` does: the initial head, the peer's own
+        seeded generator, then ``Algorithm.init_state``.
+        """
+        exp, n = self.exp, self.exp.layout.num_shared
+        st = context.state
+        gen = torch.Generator(device="cpu")
+        state = PeerState(peer_id=peer.peer_id, params=flat)
+        if STATE_RNG not in st.array_records:
+            if self._cache["scope"] == "shared":
+                flat[n:].copy_(exp._init[1][n:])
+            gen.manual_seed(peer_seed(exp.cfg.seed, peer.index))
+            peer.algorithm.init_state(state, gen)
+            return state, gen
+        if self._cache["scope"] == "shared":
+            flat[n:].copy_(self.personal_head(context).to(flat.device))
+        gen.set_state(tensor_of(st.array_records[STATE_RNG]["state"]))
+        if STATE_EXTRA in st.array_records:
+            state.extra = {k: tensor_of(v).to(flat.device) for k, v in st.array_records[STATE_EXTRA].items()}
+        if STATE_SCALARS in st.config_records:
+            scalars = st.config_records[STATE_SCALARS]
+            state.scalars = {k: number(scalars, k) for k in scalars}
+        state.round = int(number(st.config_records[STATE_ROUND], "round"))
+        return state, gen
+
+    def _save(self, context: Context, state: PeerState, gen: torch.Generator) -> None:
+        st, layout = context.state, self.exp.layout
+        if self._cache["scope"] == "shared":
+            st[STATE_PERSONAL] = array_record(layout.views(state.params, "personal"))
+        st[STATE_RNG] = array_record({"state": gen.get_state()})
+        if state.extra:
+            st[STATE_EXTRA] = array_record(state.extra)
+        if state.scalars:
+            st[STATE_SCALARS] = ConfigRecord({k: float(v) for k, v in state.scalars.items()})
+        st[STATE_ROUND] = ConfigRecord({"round": int(state.round)})
+
+    def personal_head(self, context: Context) -> torch.Tensor:
+        """A node's head (flat, layout order): its own after its first train, phi(0)'s before."""
+        layout = self.exp.layout
+        rec = context.state.array_records.get(STATE_PERSONAL)
+        if rec is None:
+            return self.exp._init[1][layout.num_shared:].clone()
+        return torch.cat([tensor_of(rec[s.name]).reshape(-1) for s in layout.personal_specs()])
+
+    def _received(self, msg: Message) -> torch.Tensor:
+        layout = self.exp.layout
+        specs = layout.shared_specs() if self._cache["scope"] == "shared" else layout.specs
+        flat = torch.empty(layout.numel, dtype=torch.float32, device=self.exp.device)
+        load_arrays(specs, record_of(msg.content, ARRAYS_KEY, ArrayRecord), flat, "received ArrayRecord")
+        return flat
+
+    # -- handlers ---------------------------------------------------------------------------------
+    def train(self, msg: Message, context: Context) -> Message:
+        """Bind the received part with what the node keeps, run ``local_update``, reply the averaged part."""
+        torch.set_num_threads(1)  # the decentralized runs' numerics (one thread per peer)
+        peer = self.peer_of(context)
+        t0 = time.perf_counter()
+        r = int(number(record_of(msg.content, CONFIG_KEY, ConfigRecord), "server-round")) - 1  # ours count from 0
+        flat = self._received(msg)
+        state, gen = self._restore(peer, context, flat)
+        with self._cache["models"].borrow((r, 0, peer.index)) as model:
+            self.exp.layout.bind(model, state.params)
+            ctx = TrainContext(model, self.exp.layout, peer.app.data, gen, state.params.device)
+            metrics = peer.algorithm.local_update(state, ctx, r)
+        state.round = r + 1
+        self._save(context, state, gen)
+        part = "shared" if self._cache["scope"] == "shared" else "all"
+        return Message(RecordDict({
+            ARRAYS_KEY: array_record(self.exp.layout.views(state.params, part)),
+            METRICS_KEY: MetricRecord({"num-examples": int(peer.app.data.num_train),
+                                       "train_loss": float(metrics.get("train_loss", float("nan"))),
+                                       "train_seconds": time.perf_counter() - t0}),
+            PEER_KEY: ConfigRecord({"peer-id": peer.peer_id}),
+        }), reply_to=msg)
+
+    def evaluate(self, msg: Message, context: Context) -> Message:
+        """The global model (FedAvg) or global body + own head (FedPer/FedRep) on the node's own test split."""
+        torch.set_num_threads(1)
+        peer = self.peer_of(context)
+        flat = self._received(msg)
+        if self._cache["scope"] == "shared":
+            flat[self.exp.layout.num_shared:].copy_(self.personal_head(context).to(flat.device))
+        r = int(number(record_of(msg.content, CONFIG_KEY, ConfigRecord), "server-round")) - 1
+        with self._cache["models"].borrow((r, 1, peer.index)) as model:
+            self.exp.layout.bind(model, flat)
+            ev = peer.app.evaluate(model)
+        return Message(RecordDict({
+            METRICS_KEY: MetricRecord({"num-examples": int(ev["num_examples"]), "accuracy": float(ev["acc"]),
+                                       "loss": float(ev["loss"])}),
+            PEER_KEY: ConfigRecord({"peer-id": peer.peer_id}),
+        }), reply_to=msg)
+
+
+def make_client_app(raw: dict[str, Any], baseline: str) -> ClientApp:
+    """A Flower ClientApp for every peer of the config ``raw`` (which peer: from the node's Context)."""
+    peers = BaselinePeers(raw, baseline)
+    app = ClientApp()
+    app.train()(peers.train)
+    app.evaluate()(peers.evaluate)
+    return app
+
+
+def initial_arrays(exp: Experiment, scope: str) -> ArrayRecord:
+    """The server's starting point: the experiment's one initial model (its shared part for FedPer/FedRep)."""
+    layout, flat = exp._init
+    return array_record(layout.views(flat, "shared" if scope == "shared" else "all"))
+
+
+# -- the server side --------------------------------------------------------------------------------
+Observer = Callable[[dict[str, Any]], None]
+
+
+def _peer_id(msg: Message) -> str:
+    return str(record_of(msg.content, PEER_KEY, ConfigRecord)["peer-id"])
+
+
+class RecordingFedAvg(FedAvg):
+    """Flower's FedAvg (all nodes train and evaluate every round), recording each peer's reply.
+
+    A reply with an error stops the run (``FlowerPeerError``) instead of being skipped. Replies
+    are aggregated in peer order (``order``), whatever order the runtime delivered them in.
+    """
+
+    def __init__(self, peer_ids: list[str], record: Observer) -> None:
+        n = len(peer_ids)
+        super().__init__(fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=n, min_evaluate_nodes=n,
+                         min_available_nodes=n, arrayrecord_key=ARRAYS_KEY, configrecord_key=CONFIG_KEY)
+        self.order = {p: i for i, p in enumerate(peer_ids)}
+        self.record = record
+        self.sent_bytes = 0  # what one instruction carries this round (the global arrays)
+        self._train: dict[str, dict[str, Any]] = {}
+
+    def note_sent(self, arrays: ArrayRecord) -> None:
+        self.sent_bytes = int(arrays.count_bytes())
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        self.note_sent(arrays)
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        self.note_sent(arrays)
+        return super().configure_evaluate(server_round, arrays, config, grid)
+
+    def _sorted(self, replies: Iterable[Message], kind: str) -> list[Message]:
+        replies = list(replies)
+        for m in replies:
+            if m.has_error():
+                raise FlowerPeerError(f"node {m.metadata.src_node_id} failed on {kind}: {m.error.reason}")
+        return sorted(replies, key=lambda m: self.order[_peer_id(m)])
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None,
+                                                                                         MetricRecord | None]:
+        replies = self._sorted(replies, "train")
+        for m in replies:
+            metrics = record_of(m.content, METRICS_KEY, MetricRecord)
+            self._train[_peer_id(m)] = {"train_loss": number(metrics, "train_loss"),
+                                        "train_seconds": number(metrics, "train_seconds"),
+                                        "bytes_sent": record_bytes(m.content), "bytes_recv": self.sent_bytes}
+        return super().aggregate_train(server_round, replies)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        replies = self._sorted(replies, "evaluate")
+        for m in replies:
+            pid = _peer_id(m)
+            metrics = record_of(m.content, METRICS_KEY, MetricRecord)
+            tr = self._train.pop(pid, {"train_loss": None, "train_seconds": 0.0, "bytes_sent": 0, "bytes_recv": 0})
+            self.record({"round": server_round - 1, "peer": pid, "acc": number(metrics, "accuracy"),
+                         "loss": number(metrics, "loss"), "train_loss": tr["train_loss"],
+                         "bytes_sent": tr["bytes_sent"], "bytes_recv": tr["bytes_recv"] + self.sent_bytes,
+                         "consensus_dist": 0.0, "missing": [], "train_seconds": tr["train_seconds"],
+                         "seconds": tr["train_seconds"]})
+        return super().aggregate_evaluate(server_round, replies)
+
+
+def make_server_app(strategy: FedAvg, initial: ArrayRecord, rounds: int) -> ServerApp:
+    """A ServerApp whose main runs ``strategy`` from ``initial`` for ``rounds`` rounds."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy.start(grid, initial, num_rounds=rounds, train_config=ConfigRecord({"num-rounds": rounds}))
+
+    return app
+
+
+def run_in_process(client_app: ClientApp, strategy: RecordingFedAvg, peer_ids: list[str],
+                   initial: ArrayRecord, rounds: int, *, run_id: int = 1) -> None:
+    """The same rounds without a Flower runtime (Ray missing): deliver, then aggregate with ``strategy``.
+
+    One persistent Context per node, as a SuperNode keeps; every node trains and evaluates every
+    round (what ``RecordingFedAvg`` samples with fraction 1). Messages carry public ``Metadata``.
+    """
+    n = len(peer_ids)
+    contexts = [Context(run_id=run_id, node_id=FIRST_NODE_ID + i,
+                        node_config={"partition-id": i, "num-partitions": n, "peer-id": pid},
+                        state=RecordDict(), run_config={}) for i, pid in enumerate(peer_ids)]
+    arrays = initial
+    seq = 0
+    for server_round in range(1, rounds + 1):
+        for kind in (MessageType.TRAIN, MessageType.EVALUATE):
+            strategy.note_sent(arrays)
+            replies = []
+            for ctx in contexts:
+                seq += 1
+                content = RecordDict({ARRAYS_KEY: arrays, CONFIG_KEY: ConfigRecord({"server-round": server_round})})
+                msg = instruction(content, kind, run_id=run_id, src_node_id=1, dst_node_id=ctx.node_id,
+                                  message_id=f"{seq:016x}", group_id=str(server_round))
+                replies.append(client_app(msg, ctx))
+            if kind == MessageType.TRAIN:
+                new, _ = strategy.aggregate_train(server_round, replies)
+                if new is None:
+                    raise FlowerPeerError(f"round {server_round}: no train reply to aggregate")
+                arrays = new
+            else:
+                strategy.aggregate_evaluate(server_round, replies)
+
+
+def ray_available() -> bool:
+    return importlib.util.find_spec("ray") is not None
+
+
+def run_baseline(cfg: ExperimentConfig, out_dir: str | Path, baseline: str = "fedper", *,
+                 runtime: str = "auto", experiment: Experiment | None = None, verbose: bool = False,
+                 ray_cpus: int | None = None) -> dict[str, Any]:
+    """Run ``baseline`` on ``cfg``'s peers; write the run folder (same format as ``p2pfl simulate``).
+
+    ``runtime``: ``ray`` (Flower's simulation runtime), ``in-process``, or ``auto`` (Ray when it
+    is installed). ``summary.json`` records the one that ran.
+    """
+    if runtime not in ("auto", "ray", "in-process"):
+        raise ValueError(f"runtime: {runtime!r} is not auto, ray or in-process")
+    b = baseline_of(baseline, cfg.algorithm_name)
+    if runtime == "auto":
+        runtime = "ray" if ray_available() else "in-process"
+    if runtime == "ray" and not ray_available():
+        raise RuntimeError("runtime ray: Ray is not installed (pip install 'flwr[simulation]')")
+    run_dir = Path(out_dir)
+    exp = experiment or Experiment.from_config(cfg)
+    write_inputs(run_dir, cfg.raw, exp.topology.to_dict(), exp.partition)
+    ids = list(exp.topology.ids)
+    raw = portable_config(cfg)
+    experiment_for(raw, exp)  # this process's peers reuse the experiment already built
+    client_app = make_client_app(raw, baseline)
+    writer = MetricsWriter(run_dir / "metrics.jsonl")
+    strategy = RecordingFedAvg(ids, writer)
+    initial = initial_arrays(exp, b.scope)
+    flwr_logger = logging.getLogger("flwr")
+    saved_level = flwr_logger.level
+    if not verbose:
+        flwr_logger.setLevel(logging.WARNING)
+    t0 = time.perf_counter()
+    try:
+        if runtime == "ray":
+            from flwr.simulation import run_simulation
+
+            cpus = ray_cpus or max(1, min(len(ids), _cpus()))
+            run_simulation(server_app=make_server_app(strategy, initial, cfg.rounds), client_app=client_app,
+                           num_supernodes=len(ids),
+                           backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                           "init_args": {"num_cpus": cpus, "include_dashboard": False}},
+                           verbose_logging=verbose)
+        else:
+            saved_threads = torch.get_num_threads()
+            try:
+                run_in_process(client_app, strategy, ids, initial, cfg.rounds)
+            finally:
+                torch.set_num_threads(saved_threads)
+    finally:
+        writer.close()
+        flwr_logger.setLevel(saved_level)
+    return finish_run_folder(cfg, run_dir, ids, baseline, "flwr-simulation-ray" if runtime == "ray" else "in-process",
+                             time.perf_counter() - t0)
+
+
+def finish_run_folder(cfg: ExperimentConfig, run_dir: Path, ids: list[str], baseline: str, runtime: str,
+                      wall: float) -> dict[str, Any]:
+    """Sort the metrics, write summary.json (with the runtime that ran) and the accuracy plot."""
+    recs = sort_metrics(run_dir / "metrics.jsonl", ids)
+    if len(recs) != len(ids) * cfg.rounds:
+        raise FlowerPeerError(f"{len(recs)} peer-rounds recorded, {len(ids) * cfg.rounds} expected")
+    mode = f"flower-{baseline}"
+    summary = summarize(recs, {
+        "name": cfg.name, "algorithm": cfg.algorithm_name, "seed": cfg.seed, "mode": mode, "baseline": baseline,
+        "runtime": runtime, "strategy": "FedAvg", "wall_seconds": wall, "wall_seconds_per_round": wall / cfg.rounds,
+    })
+    write_summary(run_dir, summary)
+    plot_accuracy(recs, run_dir / "accuracy.png", f"{cfg.name}: {mode} ({cfg.algorithm_name} local rule)")
+    return summary
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
