@@ -439,6 +439,10 @@ class PeerServer:
         with self._cond:
             return self._pulls_served
 
+    def calls_in_progress(self, caller: str | None = None) -> int:
+        """Calls holding a slot of ``caller``'s quota (non-neighbours share one), or of all quotas."""
+        return self._limits.active(caller) if self._limits is not None else 0
+
     @property
     def inbox(self) -> dict[tuple[str, int, int], Message]:
         """A snapshot of undelivered pushes, keyed by (sender, round, step)."""

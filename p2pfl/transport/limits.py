@@ -49,11 +49,13 @@ MAX_DETAIL_CHARS = 1024
 
 def bounded(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
     """``text`` fit for a log line or a status detail: control characters escaped, at most ``limit`` chars."""
-    if not text.isprintable():
-        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-    if len(text) > limit:
-        text = f"{text[: limit - 24]}... ({len(text)} chars)"
-    return text
+    n = len(text)
+    out = text[:limit]
+    if not out.isprintable():
+        out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in out)
+    if n > limit or len(out) > limit:
+        out = f"{out[: limit - 24]}... ({n} chars)"
+    return out
 
 
 class CallLimits:
