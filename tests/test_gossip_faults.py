@@ -1,0 +1,153 @@
+"""The round protocol under real faults (docs/protocol.md): real `p2pfl node` processes over mutual
+TLS on loopback, with kill -9 and restart at a random instant, a peer killed for good, a stalled
+peer (SIGSTOP/SIGCONT), a slow peer, and push-sum on a directed ring whose mass must stay n.
+
+Each test bounds its time and kills what it started.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from p2pfl.security.certs import make_certs
+from tests.conftest import tiny_config
+from tests.test_launch import _node, free_base_port, records
+
+PEERS = ["p0", "p1", "p2", "p3"]
+
+
+@contextmanager
+def peers(cfg: Path, out: Path, tmp: Path, ids: list[str] = PEERS) -> Iterator[dict[str, subprocess.Popen]]:
+    """Start one `p2pfl node` per peer (mutual TLS); kill every process group still alive at the end."""
+    certs = tmp / "certs"
+    make_certs(PEERS, certs)
+    procs = {pid: _node(cfg, pid, out, certs, tmp / f"{pid}.log") for pid in ids}
+    try:
+        yield procs
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGCONT)
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(10)
+
+
+def wait_rounds(out: Path, pid: str, n: int, procs: dict[str, subprocess.Popen], tmp: Path, limit: float = 90) -> None:
+    t0 = time.monotonic()
+    while len(records(out / f"metrics-{pid}.jsonl")) < n:
+        assert time.monotonic() - t0 < limit, f"{pid} did not finish {n} rounds"
+        assert procs[pid].poll() is None, (tmp / f"{pid}.log").read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def finish(procs: dict[str, subprocess.Popen], tmp: Path, limit: float = 150) -> None:
+    for pid, p in procs.items():
+        assert p.wait(limit) == 0, (tmp / f"{pid}.log").read_text()[-3000:]
+
+
+def rounds_of(out: Path, pid: str) -> list[int]:
+    return [r["round"] for r in records(out / f"metrics-{pid}.jsonl")]
+
+
+@pytest.mark.timeout(240)
+def test_push_sum_on_a_directed_ring_with_a_slow_peer_keeps_mass_n(tmp_path: Path) -> None:
+    """dfedpgp push on a directed ring, one peer 3x slower: no stall, no missing payload, sum(mu) = n every round."""
+    rounds = 6
+    cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds, kind="directed_ring",
+                      algorithm={"name": "dfedpgp", "mix_mode": "push", "body_local": 1},
+                      network={"round_timeout_s": 30.0, "slowdown": {"p2": 3.0}})
+    out = tmp_path / "run"
+    with peers(cfg, out, tmp_path) as procs:
+        finish(procs, tmp_path)
+    recs = {pid: records(out / f"metrics-{pid}.jsonl") for pid in PEERS}
+    for pid in PEERS:
+        assert [r["round"] for r in recs[pid]] == list(range(rounds)), pid
+        assert all(not r["missing"] and "undelivered" not in r for r in recs[pid]), pid
+        assert all(math.isfinite(r["loss"]) for r in recs[pid]), pid
+    for r in range(rounds):
+        mass = sum(recs[pid][r]["mu"] for pid in PEERS)
+        assert abs(mass - len(PEERS)) < 1e-9, (r, mass)
+
+
+@pytest.mark.timeout(300)
+def test_kill9_and_restart_at_a_random_instant_rejoins_within_two_rounds(tmp_path: Path) -> None:
+    """p3 is killed -9 at a random instant and restarted: it resumes from its checkpoint, its metrics hold
+    every round exactly once, and two rounds after it is back nobody mixes without it."""
+    rounds = 12
+    rng = random.Random(os.environ.get("P2PFL_FAULT_SEED", time.time_ns()))
+    cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds, network={"round_timeout_s": 30.0})
+    out = tmp_path / "run"
+    with peers(cfg, out, tmp_path) as procs:
+        wait_rounds(out, "p3", 2, procs, tmp_path)
+        time.sleep(rng.uniform(0.0, 1.0))  # a random instant: training, exchanging, or writing
+        os.killpg(procs["p3"].pid, signal.SIGKILL)
+        procs["p3"].wait(10)
+        time.sleep(rng.uniform(0.5, 2.0))
+        back_at = len(rounds_of(out, "p3"))  # checkpointed rounds (the metrics may be one short)
+        procs["p3"] = _node(cfg, "p3", out, tmp_path / "certs", tmp_path / "p3.log")
+        finish(procs, tmp_path)
+    log3 = (tmp_path / "p3.log").read_text()
+    assert "resum" in log3
+    for pid in PEERS:
+        assert rounds_of(out, pid) == list(range(rounds)), pid  # none lost, none twice
+    for pid in PEERS:
+        late = [r for r in records(out / f"metrics-{pid}.jsonl") if r["round"] >= back_at + 2]
+        assert late and all(not r["missing"] for r in late), (pid, [(r["round"], r["missing"]) for r in late])
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_killed_for_good_is_noticed_once_and_later_rounds_are_fast(tmp_path: Path) -> None:
+    rounds, timeout = 10, 6.0
+    cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds,
+                      network={"round_timeout_s": timeout, "probe_s": 0.5})
+    out = tmp_path / "run"
+    with peers(cfg, out, tmp_path) as procs:
+        wait_rounds(out, "p3", 2, procs, tmp_path)
+        os.killpg(procs["p3"].pid, signal.SIGKILL)
+        procs["p3"].wait(10)
+        live = {pid: p for pid, p in procs.items() if pid != "p3"}
+        finish(live, tmp_path)
+    for pid in ("p0", "p2"):  # p3's neighbours on the ring
+        text = (tmp_path / f"{pid}.log").read_text()
+        assert text.count("neighbour p3 is down") == 1, pid  # noticed (and logged) once
+        recs = records(out / f"metrics-{pid}.jsonl")
+        assert [r["round"] for r in recs] == list(range(rounds))
+        first = min(r["round"] for r in recs if "p3" in r["missing"])
+        later = [r["seconds"] for r in recs if r["round"] > first + 1]
+        assert later and max(later) < timeout / 2, (pid, later)  # a short probe, not the full deadline
+    # the non-neighbour never lost a payload because of p3
+    assert all(not r["missing"] for r in records(out / "metrics-p1.jsonl"))
+
+
+@pytest.mark.timeout(300)
+def test_a_stalled_peer_sigstop_then_sigcont_is_mixed_again(tmp_path: Path) -> None:
+    rounds, timeout = 14, 4.0
+    cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds,
+                      network={"round_timeout_s": timeout, "probe_s": 0.5})
+    out = tmp_path / "run"
+    with peers(cfg, out, tmp_path) as procs:
+        wait_rounds(out, "p2", 2, procs, tmp_path)
+        os.killpg(procs["p2"].pid, signal.SIGSTOP)
+        time.sleep(timeout + 2.0)  # long enough for its neighbours to give up on it
+        stalled_until = max(len(rounds_of(out, pid)) for pid in PEERS)
+        os.killpg(procs["p2"].pid, signal.SIGCONT)
+        finish(procs, tmp_path)
+    for pid in PEERS:
+        assert rounds_of(out, pid) == list(range(rounds)), pid
+    assert any("p2" in r["missing"] for r in records(out / "metrics-p1.jsonl"))  # it was stalled
+    for pid in ("p1", "p3"):  # and back in the mixing within two rounds of where the others were
+        late = [r for r in records(out / f"metrics-{pid}.jsonl") if r["round"] >= stalled_until + 2]
+        assert late and all("p2" not in r["missing"] for r in late), (pid, [(r["round"], r["missing"]) for r in late])
