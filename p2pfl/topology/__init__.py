@@ -7,6 +7,7 @@ function of (topology, seed, round, step). The file format is documented in ``to
 
 from .generators import KINDS, generate, grid_shape
 from .mixing import (
+    SparseMixing,
     is_column_stochastic,
     is_doubly_stochastic,
     is_row_stochastic,
@@ -28,6 +29,7 @@ __all__ = [
     "MixingPlan",
     "Peer",
     "Schedule",
+    "SparseMixing",
     "Topology",
     "TopologyError",
     "generate",

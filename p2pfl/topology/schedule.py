@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .mixing import SparseMixing
+
 #: Schedule kinds understood by the file format.
 SCHEDULE_KINDS = ("random_pull",)
 
@@ -106,22 +108,27 @@ def random_matrix(
     mode the ones it can push to. Pull: ``W[i, j] = 1/(k+1)`` for ``j`` in ``{i} ∪ draws(i)``
     (row-stochastic). Push: ``W[j, i] = 1/(k+1)`` for the same sets (column-stochastic).
     """
+    return random_sparse(candidates, k, seed=seed, round=round, step=step, mode=mode).toarray()
+
+
+def random_sparse(
+    candidates: Sequence[Sequence[int]], k: int, *, seed: int, round: int, step: int, mode: str
+) -> SparseMixing:
+    """`random_matrix` in sparse form: O(n k) memory instead of n x n."""
     check_mode(mode)
     n = len(candidates)
-    w = np.zeros((n, n), dtype=np.float64)
     share = 1.0 / (k + 1)
+    rows = []
     for i, cand in enumerate(candidates):
         drawn = draw_peers(cand, k, seed=seed, round=round, step=step, index=i)
-        if mode == "pull":
-            w[i, drawn] = share
-        else:
-            w[drawn, i] = share
-        w[i, i] = share
-    return w
+        cols = np.append(drawn, i)
+        rows.append((cols, np.full(cols.size, share)))
+    w = SparseMixing.from_rows(n, rows)
+    return w if mode == "pull" else w.transpose()
 
 
 def plan_from_matrix(
-    ids: Sequence[str], w: np.ndarray, index: int, *, round: int, step: int, mode: str
+    ids: Sequence[str], w: np.ndarray | SparseMixing, index: int, *, round: int, step: int, mode: str
 ) -> MixingPlan:
     """Read peer ``index``'s plan off the full matrix (row ``index`` and column ``index``).
 
@@ -130,16 +137,18 @@ def plan_from_matrix(
     same weight ``W[k, i]``.
     """
     check_mode(mode)
-    row = w[index]
-    col = w[:, index]
-    in_weights = {ids[j]: float(row[j]) for j in np.flatnonzero(row) if j != index}
-    out_weights = {ids[k]: float(col[k]) for k in np.flatnonzero(col) if k != index}
+    if not isinstance(w, SparseMixing):
+        w = SparseMixing.from_dense(w)
+    cols, row = w.row(index)
+    rows, col = w.col(index)
+    in_weights = {ids[j]: float(v) for j, v in zip(cols.tolist(), row, strict=True) if j != index}
+    out_weights = {ids[k]: float(v) for k, v in zip(rows.tolist(), col, strict=True) if k != index}
     return MixingPlan(
         peer=ids[index],
         round=int(round),
         step=int(step),
         mode=mode,
-        self_weight=float(w[index, index]),
+        self_weight=w.get(index, index),
         in_weights=in_weights,
         out_weights=out_weights,
     )

@@ -34,12 +34,13 @@ from p2pfl.yamlsafe import YamlLimits, load_yaml_file
 from .address import AddressError, canonical_address
 from .mixing import (
     TOL,
+    SparseMixing,
     is_column_stochastic,
-    metropolis_matrix,
-    uniform_pull_matrix,
-    uniform_push_matrix,
+    metropolis_sparse,
+    uniform_pull_sparse,
+    uniform_push_sparse,
 )
-from .schedule import SCHEDULE_KINDS, MixingPlan, Schedule, check_mode, plan_from_matrix, random_matrix
+from .schedule import SCHEDULE_KINDS, MixingPlan, Schedule, check_mode, plan_from_matrix, random_sparse
 
 __all__ = [
     "ExplicitWeights",
@@ -110,7 +111,7 @@ class _Derived:
     out_nbrs: list[list[int]]
     in_cands: list[list[int]]
     out_cands: list[list[int]]
-    cache: OrderedDict[tuple[Any, ...], np.ndarray] = field(default_factory=OrderedDict)
+    cache: OrderedDict[tuple[Any, ...], SparseMixing] = field(default_factory=OrderedDict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -198,7 +199,11 @@ class Topology:
         (push-sum), the random schedule's pushes, or explicit weights if their columns sum to 1.
         Static topologies ignore (round, step, seed). Returns a fresh copy.
         """
-        return self._matrix(round, step, seed, mode).copy()
+        return self._matrix(round, step, seed, mode).toarray()
+
+    def sparse_matrix(self, round: int = 0, step: int = 0, seed: int = 0, mode: str = "pull") -> SparseMixing:
+        """`mixing_matrix` in sparse form (O(peers + edges) memory: what large topologies need)."""
+        return self._matrix(round, step, seed, mode)
 
     def plan(self, peer_id: str, round: int, step: int = 0, seed: int = 0, mode: str = "pull") -> MixingPlan:
         """``peer_id``'s plan for (round, step): a pure function of (topology, seed, round, step, mode)."""
@@ -207,7 +212,7 @@ class Topology:
             self.ids, self._matrix(round, step, seed, mode), i, round=round, step=step, mode=mode
         )
 
-    def _matrix(self, round: int, step: int, seed: int, mode: str) -> np.ndarray:
+    def _matrix(self, round: int, step: int, seed: int, mode: str) -> SparseMixing:
         """Cached, read-only matrix for (round, step, seed, mode)."""
         check_mode(mode)
         for name, value in (("round", round), ("step", step), ("seed", seed)):
@@ -221,20 +226,19 @@ class Topology:
                 d.cache.move_to_end(key)
                 return hit
         w = self._build_matrix(round, step, seed, mode)
-        w.flags.writeable = False
         with d.lock:
             d.cache[key] = w
             while len(d.cache) > _CACHE_SIZE:
                 d.cache.popitem(last=False)
         return w
 
-    def _build_matrix(self, round: int, step: int, seed: int, mode: str) -> np.ndarray:
+    def _build_matrix(self, round: int, step: int, seed: int, mode: str) -> SparseMixing:
         d = self._derived
         if self.schedule is not None:
             cands = d.in_cands if mode == "pull" else d.out_cands
-            return random_matrix(cands, self.schedule.k, seed=seed, round=round, step=step, mode=mode)
+            return random_sparse(cands, self.schedule.k, seed=seed, round=round, step=step, mode=mode)
         if isinstance(self.weights, ExplicitWeights):
-            w = self.weights.array()
+            w = SparseMixing.from_dense(self.weights.array())
             if mode == "push" and not is_column_stochastic(w):
                 raise TopologyError(
                     f"topology {self.name!r}: explicit weights are not column-stochastic, so they cannot be used "
@@ -242,10 +246,10 @@ class Topology:
                 )
             return w
         if mode == "push":
-            return uniform_push_matrix(d.out_nbrs)
+            return uniform_push_sparse(d.out_nbrs)
         if self.weights == "metropolis":
-            return metropolis_matrix(d.in_nbrs)
-        return uniform_pull_matrix(d.in_nbrs)
+            return metropolis_sparse(d.in_nbrs)
+        return uniform_pull_sparse(d.in_nbrs)
 
     # ---- serialization -------------------------------------------------------------------------
 
@@ -389,9 +393,7 @@ def _validate(t: Topology) -> _Derived:
                 raise AddressError("expected 'host:port'")
             canon = canonical_address(p.address)
         except AddressError as e:
-            raise TopologyError(
-                f"peer {p.id!r}: malformed address {_short(p.address)!r} ({e}; expected 'host:port', port 1-65535)"
-            ) from None
+            raise TopologyError(f"peer {p.id!r}: malformed address {_short(p.address)!r} ({e})") from None
         if canon in by_address:
             other = t.peers[index[by_address[canon]]].address
             same = "" if other == p.address else f", the same socket as {other!r}"
