@@ -171,6 +171,8 @@ def launch(config: ConfigOpt, out: Annotated[Path | None, typer.Option(help="run
 @app.command()
 def certs(config: ConfigOpt, out: Annotated[Path, typer.Option(help="folder for ca.crt and <peer>.crt/.key")],
           host: Annotated[list[str] | None, typer.Option(help="extra SAN host/IP for every peer (repeatable)")] = None,
+          ca_key_dir: Annotated[Path | None, typer.Option(
+              help="keep the CA's private key here (made 0700) instead of in --out, which peers read")] = None,
           set: SetOpt = None) -> None:
     """Make a CA and one certificate per peer id of CONFIG's topology (mutual TLS)."""
     cfg = _load(config, set)
@@ -181,7 +183,7 @@ def certs(config: ConfigOpt, out: Annotated[Path, typer.Option(help="folder for 
     hosts = {pid: [topo.address(pid).rpartition(":")[0].strip("[]"), *(host or [])] for pid in topo.ids}
     try:
         with _no_leftovers(out):
-            make_certs(list(topo.ids), out, hosts=hosts)
+            make_certs(list(topo.ids), out, hosts=hosts, ca_key_dir=ca_key_dir)
     except ValueError as exc:
         raise BadInput(str(exc), source=str(config)) from None
     typer.echo(f"wrote CA and {len(topo.ids)} peer certificates to {out}")

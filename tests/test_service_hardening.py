@@ -513,3 +513,17 @@ def test_the_ca_key_can_live_outside_the_certificate_folder(tmp_path: Path) -> N
     make_certs(["p0", "p1", "p2"], out, ca_key_dir=private)  # idempotent with the key kept aside
     after = {p.name: p.read_bytes() for p in out.iterdir()}
     assert all(after[k] == v for k, v in before.items()) and "p2.crt" in after and "ca.key" not in after
+
+
+def test_certs_command_keeps_the_ca_key_aside(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from p2pfl.cli import app
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path)
+    out, private = tmp_path / "certs", tmp_path / "ca-private"
+    res = CliRunner().invoke(app, ["certs", "--config", str(cfg), "--out", str(out), "--ca-key-dir", str(private)])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in out.iterdir()) == sorted(["ca.crt", *(f"p{i}.{e}" for i in range(4) for e in ("crt", "key"))])
+    assert (private / "ca.key").is_file()
