@@ -61,6 +61,16 @@ def _no_leftovers(folder: Path, *, empty_only: bool = False):
         raise
 
 
+def _locate(exc: BadInput, config: Path) -> BadInput:
+    """A refusal raised while the experiment is assembled (e.g. a partition that cannot be made
+    from this dataset) names the config file and key like every other."""
+    from p2pfl.data.partition import PartitionError
+
+    if isinstance(exc, PartitionError) and not exc.key:
+        exc.key = "data.partition"
+    return exc.located(str(config))
+
+
 def _check_peer(cfg, peer: str, certs: Path | None, insecure: bool) -> None:
     """`p2pfl node`: the peer is in the topology and its certificate files exist (before anything starts)."""
     from p2pfl.badinput import BadInput, suggest
@@ -104,7 +114,8 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
     try:
         with _no_leftovers(run_dir):
             summary = run_sim(cfg, run_dir, progress=not quiet, resume=resume)
-    except BadInput:
+    except BadInput as exc:
+        _locate(exc, config)
         raise
     except (ValueError, RuntimeError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -118,11 +129,6 @@ def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="th
          certs: Annotated[Path | None, typer.Option(help="folder made by `p2pfl certs` (mutual TLS)")] = None,
          insecure: Annotated[bool, typer.Option("--insecure", help="plaintext gRPC (explicit opt-in)")] = False,
          threads: Annotated[int, typer.Option(help="torch CPU threads (1 = bitwise equal to simulate)")] = 1,
-         metrics_port: Annotated[int | None, typer.Option(
-             "--metrics-port", min=0, max=65535, help="serve Prometheus /metrics on this port (off by default)")] = None,
-         metrics_host: Annotated[str, typer.Option(
-             "--metrics-host", help="address /metrics listens on (0.0.0.0 for a scraper on another host)")]
-         = "127.0.0.1",
          set: SetOpt = None, verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
     """Run one peer: serve its gRPC peer service and run its rounds (resumes from its checkpoint)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
@@ -133,7 +139,7 @@ def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="th
 
     try:
         with _no_leftovers(out, empty_only=True):
-            code = node_main(cfg, peer, out, certs, insecure, threads, metrics_port, metrics_host)
+            code = node_main(cfg, peer, out, certs, insecure, threads)
     except BadInput:
         raise
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
@@ -157,7 +163,8 @@ def launch(config: ConfigOpt, out: Annotated[Path | None, typer.Option(help="run
         with _no_leftovers(run_dir):
             summary = run_launch(config, cfg, run_dir, list(set or []), insecure=insecure, timeout_s=timeout,
                                  verbose=verbose)
-    except BadInput:
+    except BadInput as exc:
+        _locate(exc, config)
         raise
     except (ValueError, RuntimeError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -171,8 +178,6 @@ def launch(config: ConfigOpt, out: Annotated[Path | None, typer.Option(help="run
 @app.command()
 def certs(config: ConfigOpt, out: Annotated[Path, typer.Option(help="folder for ca.crt and <peer>.crt/.key")],
           host: Annotated[list[str] | None, typer.Option(help="extra SAN host/IP for every peer (repeatable)")] = None,
-          ca_key_dir: Annotated[Path | None, typer.Option(
-              help="keep the CA's private key here (made 0700) instead of in --out, which peers read")] = None,
           set: SetOpt = None) -> None:
     """Make a CA and one certificate per peer id of CONFIG's topology (mutual TLS)."""
     cfg = _load(config, set)
@@ -183,7 +188,7 @@ def certs(config: ConfigOpt, out: Annotated[Path, typer.Option(help="folder for 
     hosts = {pid: [topo.address(pid).rpartition(":")[0].strip("[]"), *(host or [])] for pid in topo.ids}
     try:
         with _no_leftovers(out):
-            make_certs(list(topo.ids), out, hosts=hosts, ca_key_dir=ca_key_dir)
+            make_certs(list(topo.ids), out, hosts=hosts)
     except ValueError as exc:
         raise BadInput(str(exc), source=str(config)) from None
     typer.echo(f"wrote CA and {len(topo.ids)} peer certificates to {out}")
@@ -278,7 +283,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 #: Packages a lazy command may need that an install can leave out (the peer image has no Flower).
 OPTIONAL_STACKS = frozenset({"flwr", "torchvision", "matplotlib"})
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
-    "flower": ("p2pfl.flower.cli", "flower_command"),
+    "flower": ("peers.flower", "flower_command"),
     "compose": ("p2pfl.deploy.compose", "compose_command"),
     "k8s": ("p2pfl.deploy.k8s", "k8s_command"),
     "watch": ("p2pfl.watch", "watch_command"),
