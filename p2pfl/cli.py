@@ -129,6 +129,11 @@ def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="th
          certs: Annotated[Path | None, typer.Option(help="folder made by `p2pfl certs` (mutual TLS)")] = None,
          insecure: Annotated[bool, typer.Option("--insecure", help="plaintext gRPC (explicit opt-in)")] = False,
          threads: Annotated[int, typer.Option(help="torch CPU threads (1 = bitwise equal to simulate)")] = 1,
+         metrics_port: Annotated[int | None, typer.Option(
+             "--metrics-port", min=0, max=65535, help="serve Prometheus /metrics on this port (off by default)")] = None,
+         metrics_host: Annotated[str, typer.Option(
+             "--metrics-host", help="address /metrics listens on (0.0.0.0 for a scraper on another host)")]
+         = "127.0.0.1",
          set: SetOpt = None, verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
     """Run one peer: serve its gRPC peer service and run its rounds (resumes from its checkpoint)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
@@ -139,7 +144,7 @@ def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="th
 
     try:
         with _no_leftovers(out, empty_only=True):
-            code = node_main(cfg, peer, out, certs, insecure, threads)
+            code = node_main(cfg, peer, out, certs, insecure, threads, metrics_port, metrics_host)
     except BadInput:
         raise
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
@@ -178,6 +183,8 @@ def launch(config: ConfigOpt, out: Annotated[Path | None, typer.Option(help="run
 @app.command()
 def certs(config: ConfigOpt, out: Annotated[Path, typer.Option(help="folder for ca.crt and <peer>.crt/.key")],
           host: Annotated[list[str] | None, typer.Option(help="extra SAN host/IP for every peer (repeatable)")] = None,
+          ca_key_dir: Annotated[Path | None, typer.Option(
+              help="keep the CA's private key here (made 0700) instead of in --out, which peers read")] = None,
           set: SetOpt = None) -> None:
     """Make a CA and one certificate per peer id of CONFIG's topology (mutual TLS)."""
     cfg = _load(config, set)
@@ -188,7 +195,7 @@ def certs(config: ConfigOpt, out: Annotated[Path, typer.Option(help="folder for 
     hosts = {pid: [topo.address(pid).rpartition(":")[0].strip("[]"), *(host or [])] for pid in topo.ids}
     try:
         with _no_leftovers(out):
-            make_certs(list(topo.ids), out, hosts=hosts)
+            make_certs(list(topo.ids), out, hosts=hosts, ca_key_dir=ca_key_dir)
     except ValueError as exc:
         raise BadInput(str(exc), source=str(config)) from None
     typer.echo(f"wrote CA and {len(topo.ids)} peer certificates to {out}")
@@ -283,7 +290,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 #: Packages a lazy command may need that an install can leave out (the peer image has no Flower).
 OPTIONAL_STACKS = frozenset({"flwr", "torchvision", "matplotlib"})
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
-    "flower": ("peers.flower", "flower_command"),
+    "flower": ("p2pfl.flower.cli", "flower_command"),
     "compose": ("p2pfl.deploy.compose", "compose_command"),
     "k8s": ("p2pfl.deploy.k8s", "k8s_command"),
     "watch": ("p2pfl.watch", "watch_command"),
