@@ -42,6 +42,15 @@ COMPARED = ("acc", "loss", "eval_acc", "eval_loss", "train_loss", "num-examples"
             "consensus_dist", "round", "peer")
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Any:
+    """In-process peers train with one torch thread, as simulate's workers and `p2pfl node` do."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def app_config(tmp_path: Path, *, base_port: int = 50050, **extra: Any) -> Path:
     topo = generate("ring", len(PEERS), base_port=base_port)
     topo.dump(tmp_path / "topology.yaml")
@@ -177,3 +186,34 @@ def test_bad_app_configs_are_refused_with_the_key(tmp_path: Path) -> None:
         load_config(app_config(tmp_path, model={"name": "mlp"}))
     with pytest.raises(AppError, match="not a flwr.clientapp.ClientApp"):
         Experiment.from_config(load_config(app_config(tmp_path, app="peers.quickstart:Net"))).layout  # noqa: B018
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_peer_gets_its_context_state_back_from_the_checkpoint(tmp_path: Path) -> None:
+    """Checkpoint after round 1, a fresh process-like start (new Experiment, new Node) resumes with its Context."""
+    cfg = load_config(app_config(tmp_path, topology=str(_single_peer(tmp_path))))
+    run = tmp_path / "run"
+
+    def node_of(exp: Experiment, rounds: int) -> Any:
+        node = exp.make_node("p0", transport=MemoryTransport(MemoryHub(), "p0"),
+                             models=ModelPool(exp.model_factory, 1), record=lambda rec: None, run_dir=run,
+                             rounds=rounds)
+        node.deadline_s = 0.05  # p1 never runs: p0 mixes alone
+        return node
+
+    first = node_of(Experiment.from_config(cfg), 1)
+    first.run()
+    assert first.algorithm.context.state["progress"]["rounds-trained"] == 1
+    again = node_of(Experiment.from_config(cfg), 2)
+    assert again.algorithm.context.state.get("progress") is None  # a new peer object knows nothing yet
+    assert again.resume() and again.state.round == 1
+    again.run()
+    assert again.algorithm.context.state["progress"]["rounds-trained"] == 2  # counted on from the checkpoint
+    state, _, _ = load_checkpoint(run / "checkpoints" / "p0.npz")
+    assert tensors_to_state(state.extra)["progress"]["rounds-trained"] == 2
+
+
+def _single_peer(tmp_path: Path) -> Path:
+    path = tmp_path / "two.yaml"
+    generate("full", 2).dump(path)
+    return path
