@@ -581,9 +581,27 @@ def _start(out: Path, res: CellResult) -> _Running:
     # Own session: a Ctrl-C in the terminal reaches only the sweep, which then stops each cell
     # once (a second SIGINT during a cell's cleanup would leave its worker processes behind).
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                            stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                            preexec_fn=_default_sigint)
     res.status = "running"
     return _Running(res, proc, log, time.perf_counter())
+
+
+def _default_sigint() -> None:
+    """In the cell's process, before exec: a sweep started in the background (``cmd &``) inherits
+    an ignored SIGINT, which its cells would inherit too and then never stop cleanly on _stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def stoppable() -> None:
+    """Make SIGTERM and SIGINT stop the sweep like Ctrl-C (cells stopped, folders left to resume),
+    also when it was started in the background with SIGINT ignored. Main thread only."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _finish(out: Path, run: _Running) -> None:
@@ -619,5 +637,5 @@ def _stop(running: list[_Running]) -> None:
 
 
 __all__ = ["Case", "Cell", "CellResult", "SweepError", "SweepResult", "SweepSpec", "available_cores", "cell_name",
-           "cell_state", "default_out", "load_sweep", "parse_sweep", "plan_cells", "run_sweep", "simulate_command",
+           "cell_state", "default_out", "load_sweep", "parse_sweep", "plan_cells", "run_sweep", "simulate_command", "stoppable",
            "write_index"]

@@ -24,8 +24,9 @@ def sweep_command(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")] = False,
 ) -> None:
     """Run every cell of SWEEP_FILE (base config x cases x grid), resuming what is already done."""
-    from p2pfl.sweep import SweepError, default_out, load_sweep, run_sweep
+    from p2pfl.sweep import SweepError, default_out, load_sweep, run_sweep, stoppable
 
+    stoppable()  # kill -TERM (or -INT, even in the background) stops the cells cleanly, resumable
     try:
         spec = load_sweep(sweep_file)
         result = run_sweep(spec, out, jobs=jobs, dry_run=dry_run, progress=not quiet)

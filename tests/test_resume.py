@@ -85,3 +85,49 @@ def test_sweep_resumes_interrupted_cell_from_checkpoint(tmp_path: Path) -> None:
     assert "--resume" in (cell / "log.txt").read_text()
     assert json.loads((cell / "summary.json").read_text())["resumed_from_round"] == 2
     assert _records(cell) == done
+
+
+@pytest.mark.timeout(240)
+def test_background_sweep_stops_on_sigterm_and_leaves_a_resumable_cell(tmp_path: Path) -> None:
+    """A sweep started in the background (SIGINT ignored, as `cmd &` does) stops its cell on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from p2pfl.sweep import can_resume, load_sweep, plan_cells
+
+    base = tiny_config(tmp_path, rounds=2000, algorithm=DEPRL, checkpoint={"every": 2})
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(yaml.safe_dump({"name": "s", "base": str(base)}))
+    out = tmp_path / "out"
+
+    def cell_pids() -> list[int]:
+        found = subprocess.run(["pgrep", "-f", "--", f"simulate --config {out / 'base'}"], capture_output=True,
+                               text=True).stdout.split()
+        return [int(p) for p in found]
+
+    proc = subprocess.Popen([sys.executable, "-m", "p2pfl.cli", "sweep", str(sweep), "--out", str(out), "--quiet"],
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        gen = out / "base" / "checkpoints" / "gen"
+        deadline = time.monotonic() + 180
+        while not (gen.is_dir() and len(list(gen.glob("p3.r*.npz"))) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        running = cell_pids()
+        assert running  # the cell and its two worker processes
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+        time.sleep(0.5)
+        assert not [pid for pid in running if pid in cell_pids()]  # all of them stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in cell_pids():
+            os.kill(pid, signal.SIGKILL)
+    assert not (out / "base" / "summary.json").exists()
+    cell = plan_cells(load_sweep(sweep))[0]
+    assert can_resume(out / "base", cell.config)
