@@ -54,12 +54,12 @@ def test_flattened_compares_the_last_fifth_of_the_rounds() -> None:
 
 @pytest.mark.timeout(120)
 def test_collect_copies_evidence_without_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    sweep = rmd.SWEEPS[0]
-    cell = tmp_path / "runs" / sweep.folder / "deprl-epochs__seed=0"
+    name = rmd.folder(rmd.SWEEPS[0].files[0])
+    cell = tmp_path / "runs" / name / "deprl-epochs__seed=0"
     simulate(load_config(tiny_config(tmp_path, rounds=1)), cell, progress=False)
     evidence = tmp_path / "evidence"
-    assert rmd.collect(tmp_path / "runs", evidence) == [f"{sweep.folder}/deprl-epochs__seed=0"]
-    dst = evidence / sweep.folder / "deprl-epochs__seed=0"
+    assert rmd.collect(tmp_path / "runs", evidence) == [f"{name}/deprl-epochs__seed=0"]
+    dst = evidence / name / "deprl-epochs__seed=0"
     assert sorted(p.name for p in dst.iterdir()) == ["avg_model.json", "config.yaml", "metrics.jsonl.gz",
                                                      "partition.json.gz", "summary.json"]
     with gzip.open(dst / "metrics.jsonl.gz", "rt") as f:

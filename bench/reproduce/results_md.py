@@ -96,19 +96,21 @@ PAPER_SOURCE = "DePRL Table 1, Fashion-MNIST rows (AlexNet, 128 workers, mean ±
 
 @dataclass(frozen=True)
 class SweepDef:
-    file: str  # stem under bench/reproduce/table1/
+    """One results group (table, graph, pi) and the sweep files (stems under table1/) whose seeds it pools."""
+
+    files: tuple[str, ...]
     table: str
     graph: str
     pi: float
 
-    @property
-    def folder(self) -> str:
-        return f"t1-{self.file}"
+
+def folder(file: str) -> str:
+    """A sweep file's output folder under runs/reproduce (and docs/results/runs), as run.sh names it."""
+    return f"t1-{file}"
 
 
-SWEEPS = tuple(SweepDef(f"{g}-pi{pi}", "deprl-t1", g, pi) for g, _ in GRAPHS for pi in PIS) + (
-    SweepDef("smoke-ring-pi0.1", "deprl-t1-smoke", "ring", 0.1),
-    SweepDef("smoke-ring-pi0.1-dispfl", "deprl-t1-smoke", "ring", 0.1),
+SWEEPS = tuple(SweepDef((f"{g}-pi{pi}",), "deprl-t1", g, pi) for g, _ in GRAPHS for pi in PIS) + (
+    SweepDef(("smoke-ring-pi0.1", "smoke-ring-pi0.1-seeds12"), "deprl-t1-smoke", "ring", 0.1),
 )
 
 #: The other papers' claims: planned at 3 seeds with the papers' metrics; not run yet at that protocol.
@@ -142,12 +144,12 @@ def collect(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
     from p2pfl.report import ReportError, averaged_model_accuracy
 
     copied = []
-    for sweep in SWEEPS:
-        src_sweep = runs / sweep.folder
+    for name in (folder(f) for sweep in SWEEPS for f in sweep.files):
+        src_sweep = runs / name
         if not src_sweep.is_dir():
             continue
         for cell in sorted(p for p in src_sweep.iterdir() if (p / "summary.json").is_file()):
-            dst = evidence / sweep.folder / cell.name
+            dst = evidence / name / cell.name
             if (dst / "summary.json").is_file() and (dst / "summary.json").read_bytes() == \
                     (cell / "summary.json").read_bytes():
                 continue  # already collected
@@ -162,7 +164,7 @@ def collect(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
             except (ReportError, OSError, ValueError) as exc:
                 avg = {"metric": AVERAGED, "error": str(exc)}
             (dst / "avg_model.json").write_text(json.dumps(avg, indent=2, sort_keys=True) + "\n")
-            copied.append(f"{sweep.folder}/{cell.name}")
+            copied.append(f"{name}/{cell.name}")
     return copied
 
 
@@ -224,14 +226,21 @@ def flattened(curves: list[list[tuple[int, float]]], rounds: int) -> tuple[bool 
 
 
 def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
-    spec = load_sweep(TABLE1_DIR / f"{sweep.file}.yaml")
-    seeds = [s for key, values in spec.grid if key == "seed" for s in values]
-    base = yaml.safe_load(spec.base.read_text())
-    rounds = next((v for k, v in spec.overrides if k == "rounds"), base["rounds"])
+    """One results.json entry per method of the group, pooling the seeds of its sweep files."""
+    planned: dict[str, list[tuple[str, int]]] = {}  # case -> (output folder, seed), in file order
+    rounds = None
+    for file in sweep.files:
+        spec = load_sweep(TABLE1_DIR / f"{file}.yaml")
+        seeds = [s for key, values in spec.grid if key == "seed" for s in values]
+        base = yaml.safe_load(spec.base.read_text())
+        rounds = next((v for k, v in spec.overrides if k == "rounds"), base["rounds"])
+        for case in spec.cases:
+            planned.setdefault(case.name, []).extend((folder(file), s) for s in seeds)
     out = []
-    for case in spec.cases:
-        mdef = next(m for m in METHODS if m.case == case.name)
-        runs = [read_evidence(EVIDENCE / sweep.folder / cell_name(case.name, {"seed": s})) for s in seeds]
+    for case_name, where in planned.items():
+        mdef = next(m for m in METHODS if m.case == case_name)
+        seeds = [s for _, s in where]
+        runs = [read_evidence(EVIDENCE / f / cell_name(case_name, {"seed": s})) for f, s in where]
         done = [e for e in runs if e is not None]
         mean, std = _mean_std([100 * e.final for e in done])
         avg_mean, avg_std = _mean_std([100 * e.avg_model_acc for e in done if e.avg_model_acc is not None])
@@ -239,7 +248,7 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
         paper, spread = DEPRL_PAPER[(sweep.graph, mdef.paper, sweep.pi)]
         out.append({
             "table": sweep.table, "dataset": "fashion_mnist", "graph": sweep.graph, "pi": sweep.pi,
-            "method": mdef.label, "case": case.name, "variant": mdef.variant, "rounds": rounds,
+            "method": mdef.label, "case": case_name, "variant": mdef.variant, "rounds": rounds,
             "metric": PERSONALIZED, "ours_mean": _r(mean), "ours_std": _r(std),
             "seeds": [e.seed for e in done], "seeds_planned": list(seeds),
             "status": "done" if len(done) == len(seeds) else (f"{len(done)} of {len(seeds)} seeds" if done else NOT_RUN),
@@ -250,7 +259,7 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
             "wall_seconds_per_round": [_r(e.wall_seconds_per_round, 1) for e in done],
             "runs": [e.path for e in done],
             "curves": {str(e.seed): [[r + 1, round(100 * a, 3)] for r, a in e.curve] for e in done},
-            "sweep_file": f"bench/reproduce/table1/{sweep.file}.yaml",
+            "sweep_files": [f"bench/reproduce/table1/{f}.yaml" for f in sweep.files],
         })
     return out
 
@@ -398,7 +407,7 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         "## How the runs are made", "",
         "```bash",
         "bench/reproduce/table1/run.sh                    # Ring (π 0.1, 0.3, 0.5), then Random, then FC; resumable",
-        "bench/reproduce/table1/run.sh smoke-ring-pi0.1 smoke-ring-pi0.1-dispfl   # the 10-round smoke variant",
+        "bench/reproduce/table1/run.sh smoke-ring-pi0.1 smoke-ring-pi0.1-seeds12   # the 10-round smoke variant",
         ".venv/bin/python bench/reproduce/results_md.py   # collect finished runs, write results.json/.md + plots",
         "```", "",
         "Each sweep file `bench/reproduce/table1/<graph>-pi<π>.yaml` holds one Table 1 column group: DePRL, DisPFL, "
