@@ -134,8 +134,6 @@ class GrpcTransport(Transport):
         self._down: set[str] = set()  # neighbours noticed down: probed briefly, not waited for
         self.probe_s = float(network_cfg.probe_s)
         self._latest: dict[tuple[str, int], Message] = {}  # async: freshest payload held per (peer, step)
-        # A resumed peer (its server starts past round 0) recovers its first round's lost pushes.
-        self._resumed_round = server.round if server.round > 0 else -1
 
     # ---- channels ------------------------------------------------------------------------------
 
@@ -329,10 +327,7 @@ class GrpcTransport(Transport):
         pushes = {k: self._pool.submit(self._push_checked, k, payload, deadline, tag) for k in plan.out_weights}
         self._pushes = list(pushes.values())
         keys = [(j, message.round, message.step) for j in plan.in_weights]
-        closed: set[str] = set()
-        if message.round == self._resumed_round:
-            closed = self._recover(keys)
-        alive = [j for j in plan.in_weights if j not in closed and self._alive(j)]
+        alive = [j for j in plan.in_weights if self._alive(j)]
         got = self.server.take(keys, deadline, wait_for=alive)
         received = {j: got[j][0] for j in plan.in_weights if j in got}
         missing = [j for j in plan.in_weights if j not in got]
@@ -354,27 +349,6 @@ class GrpcTransport(Transport):
         recv = sum(n for _, n in got.values())
         return ExchangeResult(received=received, missing=missing, bytes_sent=self._take_sent(),
                               bytes_recv=recv, undelivered=undelivered)
-
-    def _recover(self, keys: list[tuple[str, int, int]]) -> set[str]:
-        """After a restart, before waiting for pushes of the resumed round: ask each sender (Pull, in
-        push mode) whether it had given this peer that round's push, which was then lost with the
-        uncheckpointed state. Given: recovered into the inbox. Kept by the sender (it moved past the
-        round without this peer mixing it): closed at once, not waited for. Returns the closed senders.
-        """
-        def ask(key: tuple[str, int, int]) -> tuple[tuple[str, int, int], Message | None, int, str]:
-            msg, nbytes, why = self._pull_one(key[0], key[1], key[2], time.monotonic() + self.probe_s)
-            return key, msg, nbytes, why
-
-        closed: set[str] = set()
-        for key, msg, nbytes, why in self._pool.map(ask, keys):
-            if msg is not None:
-                log.warning("%s: recovered the round %d step %d push of %s lost in the restart",
-                            self.peer_id, key[1], key[2], key[0])
-                self.server.deliver(key, msg, nbytes)
-            elif why.startswith("ABORTED"):
-                self.server.close(key)
-                closed.add(key[0])
-        return closed
 
     def _push_checked(self, peer: str, payload: EncodedPayload, deadline: float, tag: str) -> bool:
         if not self._alive(peer):
@@ -406,7 +380,6 @@ class GrpcTransport(Transport):
                 continue
             with self._lock:
                 self._pushed += payload.wire_bytes
-            self.server.gave(peer, int(payload.header.round), int(payload.header.step), payload)
             self._mark_up(peer)
             return True
         self._failed(peer, why)
@@ -469,9 +442,6 @@ class GrpcTransport(Transport):
         return msg, nbytes, why
 
     # ---- rejoin ------------------------------------------------------------------------------
-
-    def requested_rounds(self) -> dict[str, int]:
-        return self.server.requested_rounds()
 
     def neighbour_rounds(self, timeout_s: float) -> dict[str, int]:
         """Status of every possible neighbour, in parallel, each bounded by ``timeout_s``; the reachable ones' rounds."""
