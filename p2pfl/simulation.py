@@ -140,10 +140,29 @@ def _collect(events: Any, writer: MetricsWriter, total: int, workers: int, procs
             bar.stop()
 
 
+def _one_malloc_arena() -> None:
+    """Make this worker's threads share one glibc malloc arena.
+
+    Each of a worker's peer threads would otherwise get an arena of its own (up to 8 per core),
+    each keeping the freed activations of the evaluations it ran: about 200 MB more per worker at
+    64 peers, measured. Only one peer computes at a time (the model pool), so they do not contend.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-8, 1)  # M_ARENA_MAX = -8 (malloc.h)
+    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
+        pass
+
+
 def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], inboxes: list, events: Any,
             run_dir: Path, resume: bool = False) -> None:
     """Run the Nodes of ``peers`` (threads), bridging messages to and from the other workers."""
     torch.set_num_threads(1)
+    _one_malloc_arena()
 
     def forward(msg: Message, remote: list[str]) -> None:
         wire = (msg.sender, msg.round, msg.step, msg.topology_hash, msg.manifest,
