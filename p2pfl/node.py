@@ -88,6 +88,7 @@ class Node:
         self.protocol = protocol or Protocol()
         self.resumed_record: dict[str, Any] | None = None  # the last record stored with the checkpoint
         self._fast_forward_from: int | None = None
+        self._resumed_at = -1
 
     # -- resume ------------------------------------------------------------------------------
     def resume(self) -> bool:
@@ -101,6 +102,7 @@ class Node:
         self.generator.set_state(rng)
         rec = meta.get("record")
         self.resumed_record = rec if isinstance(rec, dict) else None
+        self._resumed_at = state.round
         log.info("%s: resumed from checkpoint at round %d", self.peer_id, state.round)
         return True
 
@@ -112,6 +114,8 @@ class Node:
         it adopts the most advanced neighbour's round (docs/protocol.md, "Rejoin"); the skipped
         rounds are not trained and not recorded, and its next record says ``fast_forward_from``.
         """
+        if self.algorithm.mode == "push":
+            return  # push-sum replays its resumed round first (recovery), then catches up (catch_up)
         rounds = self.transport.neighbour_rounds(self.protocol.probe_s)
         if not rounds:
             return
@@ -122,9 +126,33 @@ class Node:
             self._fast_forward_from = self.state.round
             self.state.round = ahead
 
+    def catch_up(self) -> None:
+        """Fast-forward to the round a neighbour already asks for, if it is past this peer's round.
+
+        At the start of round r, a neighbour that depends on this peer at round r (pulls from it,
+        or pushes to it) cannot ask for a later round unless it gave up waiting for this peer: it
+        needs this peer's round-r payload, or the fate of its round-r push, to finish round r. So
+        this never fires without a fault; after one (a late start, a stall) it puts the lagging
+        peer back in step at once instead of one deadline per round behind.
+        """
+        asked = self.transport.requested_rounds()
+        if not asked or (self.algorithm.mode == "push" and self.state.round == self._resumed_at):
+            return  # push-sum replays its resumed round first: it may recover a push lost in the restart
+        plan = self.topology.plan(self.peer_id, self.state.round, 0, seed=self.seed, mode=self.algorithm.mode)
+        needs_me = plan.out_weights if plan.mode == "pull" else plan.in_weights
+        target = max((asked[p] for p in needs_me if p in asked), default=-1)
+        if self.state.round < target < self.rounds:
+            log.warning("%s: a neighbour is already at round %d; fast-forwarding from round %d",
+                        self.peer_id, target, self.state.round)
+            if self._fast_forward_from is None:
+                self._fast_forward_from = self.state.round
+            self.state.round = target
+
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> PeerState:
         while self.state.round < self.rounds and not self.stop.is_set():
+            if not self.protocol.asynchronous:
+                self.catch_up()
             self.run_round(self.state.round)
         if self.state.round >= self.rounds:
             self.transport.linger(self.protocol.probe_s if self.protocol.asynchronous else self.deadline_s)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from p2pfl.config import ExperimentConfig
+from p2pfl.config import ConfigError, ExperimentConfig
 from p2pfl.experiment import Experiment
 from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
@@ -48,6 +48,9 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
     ``resume``: continue an interrupted run in ``out_dir`` from the last round that *every* peer
     checkpointed (see :func:`p2pfl.resume.prepare_resume`); from round 0 when there is none.
     """
+    if cfg.network.mode == "async":
+        raise ConfigError("network.mode: async runs under `p2pfl launch` / `p2pfl node` (one process per peer); "
+                          "the in-memory simulation is synchronous")
     torch.set_num_threads(1)  # before any torch work, so a forked worker inherits no thread pool
     run_dir = Path(out_dir)
     exp = experiment or Experiment.from_config(cfg)

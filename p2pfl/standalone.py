@@ -56,6 +56,9 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
         raise ValueError(f"peer {peer_id!r} is not in topology {cfg.topology} (peers: {', '.join(exp.topology.ids)})")
     network = network_for(cfg, certs, insecure)
     algo = exp.new_algorithm()
+    if cfg.network.mode == "async" and algo.mode != "pull":
+        raise ValueError(f"network.mode: async needs pull mode; {cfg.algorithm_name} mixes in {algo.mode} mode "
+                         "(push-sum's mass accounting needs the round barrier)")
     out_dir.mkdir(parents=True, exist_ok=True)
     # The checkpoint is read before serving, so a restarted peer answers its resumed round at once
     # (docs/protocol.md, "Rejoin").
@@ -63,7 +66,8 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
     start_round, ckpt_record = checkpoint_info(ckpt_path) if cfg.checkpoint_every else (0, None)
     transport = start_grpc_peer(exp.topology, peer_id, network, expected_specs=algo.wire_specs(),
                                 scalar_keys=algo.wire_scalars(), seed=cfg.seed, mode=algo.mode,
-                                start_round=start_round)
+                                start_round=start_round,
+                                pushes_log=ckpt_path.with_suffix(".pushes") if cfg.checkpoint_every else None)
     last: dict[str, Any] = {}
     metrics_path = out_dir / f"metrics-{peer_id}.jsonl"
     telemetry = None

@@ -41,6 +41,10 @@ class Transport(ABC):
         in-neighbour (any round >= ``message.round - max_staleness``), without a round barrier."""
         raise NotImplementedError(f"{type(self).__name__} has no asynchronous mode")
 
+    def requested_rounds(self) -> dict[str, int]:
+        """Per neighbour, the highest round it asked this peer for since the last call (none known here)."""
+        return {}
+
     def neighbour_rounds(self, timeout_s: float) -> dict[str, int]:
         """The rounds the reachable neighbours report (Status), for a peer that rejoins."""
         return {}

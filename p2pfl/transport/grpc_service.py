@@ -185,6 +185,8 @@ class PeerServer:
         # (sender, round, step) -> True (mixed) / False (the step closed without it): a push's fate.
         self._decided: dict[tuple[str, int, int], bool] = {}
         self.window = 2
+        self._requested: dict[str, int] = {}  # per neighbour: the highest round it pulled or pushed
+        self._given: dict[str, tuple[int, dict[int, EncodedPayload]]] = {}  # push mode: last round mixed by each
         self._round = 0
         self._served = 0
         self._pulls_served = 0
@@ -398,6 +400,53 @@ class PeerServer:
         for key in [k for k in self._decided if k[1] < forget]:
             del self._decided[key]
 
+    def gave(self, peer: str, round: int, step: int, payload: EncodedPayload) -> None:
+        """Push mode: ``peer`` answered that it mixed ``payload`` for (round, step); keep the latest round's.
+
+        A receiver killed before it checkpointed that round lost the mass with its state; when it
+        replays the round it recovers exactly this payload with a Pull (and nothing else).
+        """
+        with self._cond:
+            held = self._given.get(peer)
+            if held is None or held[0] < round:
+                self._given[peer] = (round, {step: payload})
+            elif held[0] == round:
+                held[1][step] = payload
+
+    def _recovery(self, caller: str, r: int, s: int) -> EncodedPayload | _Rejected:
+        with self._cond:
+            held = self._given.get(caller)
+            if held is not None and held[0] == r and s in held[1]:
+                return held[1][s]
+            if r < self._round:
+                return _Rejected(grpc.StatusCode.ABORTED, f"round {r} step {s} was not given to {caller!r}: "
+                                 "its share stayed with this peer")
+        return _Rejected(grpc.StatusCode.NOT_FOUND, f"round {r} step {s} is not decided yet: wait for the push")
+
+    def deliver(self, key: tuple[str, int, int], msg: Message, nbytes: int) -> None:
+        """Put a recovered push in the inbox, to be mixed by `take` like any other."""
+        with self._cond:
+            if key not in self._decided and key not in self._inbox:
+                self._inbox[key] = (msg, nbytes)
+                self._cond.notify_all()
+
+    def close(self, key: tuple[str, int, int]) -> None:
+        """Decide ``key`` "not mixed" ahead of `take` (its sender kept the share)."""
+        with self._cond:
+            self._decided.setdefault(key, False)
+            self._cond.notify_all()
+
+    def requested_rounds(self) -> dict[str, int]:
+        """Per neighbour, the highest round it pulled or pushed since the last call; resets them.
+
+        A peer about to start round r that sees a neighbour which depends on it at round r already
+        asking for a later round knows that neighbour gave up waiting for it: it is lagging, and
+        catches up (docs/protocol.md, "Catching up").
+        """
+        with self._cond:
+            out, self._requested = self._requested, {}
+            return out
+
     def publish(self, msg: Message) -> EncodedPayload:
         """Encode ``msg`` once and serve it to every puller of (msg.round, msg.step).
 
@@ -544,7 +593,8 @@ class PeerServer:
             whose = f"peer {excerpt(caller)}" if bucket == caller else "callers that are not neighbours"
             limit = self._limits.per_peer if bucket == caller else self._limits.unknown
             self._reject(call.context, call.rpc, caller, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"{whose} already hold {limit} calls in progress on {self.peer_id!r} (the limit); retry later")
+                         f"{whose} {'has' if bucket == caller else 'have'} {limit} calls in progress on "
+                         f"{self.peer_id!r} already (the limit); retry later")
         call.slot, call.caller = got[0], caller
 
     def _log_key(self, who: str) -> str:
@@ -608,19 +658,25 @@ class PeerServer:
             self._reject(context, what, caller, grpc.StatusCode.FAILED_PRECONDITION,
                          f"topology hash {excerpt(request.topology_hash)} differs from this peer's {self.topology_hash!r}")
         if self.mode != "pull":
-            self._reject(context, what, caller, grpc.StatusCode.FAILED_PRECONDITION,
-                         f"peer {self.peer_id!r} mixes in {self.mode} mode; it serves no pulls")
-        with self._cond:
-            why = self._window_error(r)
-        if why:
-            self._reject(context, what, caller, *why)
-        if caller not in self._plan(r, s).out_weights:
-            self._reject(context, what, caller, grpc.StatusCode.PERMISSION_DENIED,
-                         f"peer {caller!r} does not pull from {self.peer_id!r} at round {r} step {s}")
-        try:
-            payload = self._wait_published((r, s), context)
-        except _Rejected as e:
-            self._reject(context, what, caller, e.code, e.message)
+            # Push mode serves one kind of Pull: a restarted receiver recovering a push it had mixed
+            # but lost with its uncheckpointed state (docs/protocol.md, "Push-sum mass").
+            got = self._recovery(caller, r, s)
+            if isinstance(got, _Rejected):
+                self._reject(context, what, caller, got.code, got.message)
+            payload = got
+        else:
+            with self._cond:
+                self._requested[caller] = max(self._requested.get(caller, -1), r)
+                why = self._window_error(r)
+            if why:
+                self._reject(context, what, caller, *why)
+            if caller not in self._plan(r, s).out_weights:
+                self._reject(context, what, caller, grpc.StatusCode.PERMISSION_DENIED,
+                             f"peer {caller!r} does not pull from {self.peer_id!r} at round {r} step {s}")
+            try:
+                payload = self._wait_published((r, s), context)
+            except _Rejected as e:
+                self._reject(context, what, caller, e.code, e.message)
         if payload is None:  # the caller went away
             return
         sent = 0
@@ -727,6 +783,7 @@ class PeerServer:
                          "(the peers run different topology files)")
         key = (caller, r, s)
         with self._cond:
+            self._requested[caller] = max(self._requested.get(caller, -1), r)
             why = None if key in self._decided else self._window_error(r)
             dup = key in self._inbox
             pending = sum(1 for k in self._inbox if k[0] == caller)

@@ -16,12 +16,14 @@ late is counted in the next exchange, so the total over a run is exact).
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -85,11 +87,14 @@ class GrpcTransport(Transport):
         expected_specs: Sequence[TensorSpec],
         scalar_keys: Iterable[str] = (),
         owns_server: bool = False,
+        pushes_log: Path | None = None,
     ) -> None:
         """``tls=None`` requires ``network_cfg.insecure`` (plaintext is never a silent fallback).
 
         ``expected_specs`` / ``scalar_keys``: what every neighbour's payload must carry.
-        ``owns_server``: `close` also stops ``server``.
+        ``owns_server``: `close` also stops ``server``. ``pushes_log`` (push mode, next to the
+        checkpoint): the pushes receivers answered "mixed", kept across a restart so a replayed
+        round does not count a share twice (docs/protocol.md).
         """
         if tls is None and not network_cfg.insecure:
             raise ValueError(
@@ -134,6 +139,10 @@ class GrpcTransport(Transport):
         self._down: set[str] = set()  # neighbours noticed down: probed briefly, not waited for
         self.probe_s = float(network_cfg.probe_s)
         self._latest: dict[tuple[str, int], Message] = {}  # async: freshest payload held per (peer, step)
+        # A resumed peer (its server starts past round 0) recovers its first round's lost pushes.
+        self._resumed_round = server.round if server.round > 0 else -1
+        self._pushes_log = pushes_log
+        self._mixed_pushes = _load_pushes_log(pushes_log, server.round) if pushes_log is not None else set()
 
     # ---- channels ------------------------------------------------------------------------------
 
@@ -327,7 +336,10 @@ class GrpcTransport(Transport):
         pushes = {k: self._pool.submit(self._push_checked, k, payload, deadline, tag) for k in plan.out_weights}
         self._pushes = list(pushes.values())
         keys = [(j, message.round, message.step) for j in plan.in_weights]
-        alive = [j for j in plan.in_weights if self._alive(j)]
+        closed: set[str] = set()
+        if message.round == self._resumed_round:
+            closed = self._recover(keys)
+        alive = [j for j in plan.in_weights if j not in closed and self._alive(j)]
         got = self.server.take(keys, deadline, wait_for=alive)
         received = {j: got[j][0] for j in plan.in_weights if j in got}
         missing = [j for j in plan.in_weights if j not in got]
@@ -350,7 +362,33 @@ class GrpcTransport(Transport):
         return ExchangeResult(received=received, missing=missing, bytes_sent=self._take_sent(),
                               bytes_recv=recv, undelivered=undelivered)
 
+    def _recover(self, keys: list[tuple[str, int, int]]) -> set[str]:
+        """After a restart, before waiting for pushes of the resumed round: ask each sender (Pull, in
+        push mode) whether it had given this peer that round's push, which was then lost with the
+        uncheckpointed state. Given: recovered into the inbox. Kept by the sender (it moved past the
+        round without this peer mixing it): closed at once, not waited for. Returns the closed senders.
+        """
+        def ask(key: tuple[str, int, int]) -> tuple[tuple[str, int, int], Message | None, int, str]:
+            msg, nbytes, why = self._pull_one(key[0], key[1], key[2], time.monotonic() + self.probe_s)
+            return key, msg, nbytes, why
+
+        closed: set[str] = set()
+        for key, msg, nbytes, why in self._pool.map(ask, keys):
+            if msg is not None:
+                log.warning("%s: recovered the round %d step %d push of %s lost in the restart",
+                            self.peer_id, key[1], key[2], key[0])
+                self.server.deliver(key, msg, nbytes)
+            elif why.startswith("ABORTED"):
+                self.server.close(key)
+                closed.add(key[0])
+        return closed
+
     def _push_checked(self, peer: str, payload: EncodedPayload, deadline: float, tag: str) -> bool:
+        key = (peer, int(payload.header.round), int(payload.header.step))
+        if key in self._mixed_pushes:  # mixed before this peer restarted: the same payload, not again
+            log.info("%s %s: push to %s was mixed before the restart", self.peer_id, tag, peer)
+            self.server.gave(peer, key[1], key[2], payload)
+            return True
         if not self._alive(peer):
             log.warning("%s %s: push to %s skipped: neighbour is down; its share stays here", self.peer_id, tag, peer)
             return False
@@ -380,6 +418,8 @@ class GrpcTransport(Transport):
                 continue
             with self._lock:
                 self._pushed += payload.wire_bytes
+            self.server.gave(peer, int(payload.header.round), int(payload.header.step), payload)
+            self._note_mixed(peer, int(payload.header.round), int(payload.header.step))
             self._mark_up(peer)
             return True
         self._failed(peer, why)
@@ -443,6 +483,9 @@ class GrpcTransport(Transport):
 
     # ---- rejoin ------------------------------------------------------------------------------
 
+    def requested_rounds(self) -> dict[str, int]:
+        return self.server.requested_rounds()
+
     def neighbour_rounds(self, timeout_s: float) -> dict[str, int]:
         """Status of every possible neighbour, in parallel, each bounded by ``timeout_s``; the reachable ones' rounds."""
         peers = sorted(self.topology.possible_in_neighbours(self.peer_id)
@@ -457,6 +500,17 @@ class GrpcTransport(Transport):
 
         rounds = dict(zip(peers, self._pool.map(ask, peers), strict=True))
         return {p: r for p, r in rounds.items() if r is not None}
+
+    def _note_mixed(self, peer: str, round: int, step: int) -> None:
+        """Append (fsync'd) that ``peer`` mixed this peer's (round, step) push: it survives a kill."""
+        if self._pushes_log is None:
+            return
+        with self._lock:
+            self._mixed_pushes.add((peer, round, step))
+            with open(self._pushes_log, "a") as f:
+                f.write(f"{peer} {round} {step}\n")
+                f.flush()
+                os.fsync(f.fileno())
 
     def _take_pushed(self) -> int:
         with self._lock:
@@ -495,6 +549,21 @@ class GrpcTransport(Transport):
             self.server.stop(1.0)
 
 
+def _load_pushes_log(path: Path, round: int) -> set[tuple[str, int, int]]:
+    """The (receiver, round, step) pushes mixed at rounds >= ``round``; the log is rewritten to just those."""
+    keep: set[tuple[str, int, int]] = set()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit() and int(parts[1]) >= round:
+                keep.add((parts[0], int(parts[1]), int(parts[2])))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{p} {r} {s}\n" for p, r, s in sorted(keep)))
+    os.replace(tmp, path)
+    return keep
+
+
 def bind_address(address: str) -> str:
     """Where to listen for a topology address: exactly the host given when it is an IP address or
     ``localhost`` (any case: ``LOCALHOST:PORT`` must not listen on all interfaces); every interface
@@ -516,6 +585,7 @@ def start_grpc_peer(
     mode: str = "pull",
     bind: str | None = None,
     start_round: int = 0,
+    pushes_log: Path | None = None,
 ) -> GrpcTransport:
     """Start ``peer_id``'s server (mutual TLS from ``network_cfg.certs`` unless insecure) and its transport.
 
@@ -541,7 +611,7 @@ def start_grpc_peer(
     try:
         return GrpcTransport(
             peer_id, topology, server, tls=tls, network_cfg=network_cfg, expected_specs=expected_specs,
-            scalar_keys=scalar_keys, owns_server=True,
+            scalar_keys=scalar_keys, owns_server=True, pushes_log=pushes_log if mode == "push" else None,
         )
     except BaseException:
         server.stop(0)
