@@ -134,7 +134,7 @@ def test_one_neighbour_with_a_valid_certificate_cannot_starve_the_others(certs: 
 
             assert _wait_until(lambda: len(refused()) >= len(calls) - quota, 10.0)
             assert time.monotonic() - t0 < 10.0  # answered at once, not after a server-side deadline
-            assert "already hold 8 calls in progress on 'p0'" in (refused()[0].details() or "")
+            assert "peer 'p1' has 8 calls in progress on 'p0' already (the limit)" in (refused()[0].details() or "")
             assert p0.calls_in_progress("p1") == quota
 
             # meanwhile the others get their round (p1 too runs its round: it serves, and pulls within its quota)
@@ -531,3 +531,17 @@ def test_certs_command_keeps_the_ca_key_aside(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in out.iterdir()) == sorted(["ca.crt", *(f"p{i}.{e}" for i in range(4) for e in ("crt", "key"))])
     assert (private / "ca.key").is_file()
+
+
+def test_call_limits_quota_per_neighbour_and_one_shared_by_the_rest() -> None:
+    from p2pfl.transport.limits import UNKNOWN, CallLimits
+
+    lim = CallLimits({"p1", "p3"}, per_peer=2, unknown=3)
+    assert lim.workers == 2 * 2 + 3 + 4
+    assert [lim.enter("p1") for _ in range(3)] == [("p1", 2), ("p1", 2), None]
+    assert lim.enter("p3") == ("p3", 2)  # another neighbour is not affected
+    assert [lim.enter(who) for who in ("intruder", "p2", None, "x")] == [(UNKNOWN, 3)] * 3 + [None]
+    lim.leave("p1")
+    assert lim.enter("p1") == ("p1", 2) and lim.active("p1") == 2 and lim.active() == 2 + 1 + 3
+    with pytest.raises(ValueError, match="call limits must be >= 1"):
+        CallLimits({"p1"}, per_peer=0, unknown=1)
