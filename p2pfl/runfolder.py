@@ -6,7 +6,7 @@
       partition.json     every peer's train/test indices
       metrics.jsonl      one JSON object per peer per round
       summary.json       final mean/min/max personalized accuracy and totals
-      accuracy.png       mean (and min/max band) personalized accuracy per round
+      accuracy.png       mean personalized accuracy per round, min-max and quartile bands over peers
       checkpoints/       one atomic checkpoint per peer
 """
 
@@ -92,29 +92,47 @@ def summarize(recs: list[dict[str, Any]], extra: dict[str, Any] | None = None) -
     return summary
 
 
-def plot_accuracy(recs: list[dict[str, Any]], path: Path, title: str = "") -> None:
-    import matplotlib
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated quantile of an already sorted list."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def plot_accuracy(recs: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Personalized accuracy per round over the peers: the mean, the min-max band and the quartile band.
+
+    One band, whatever the number of peers (128 lines would be unreadable and slow to draw). The
+    figure is drawn with the Agg canvas directly (no pyplot state, safe in threads) and laid out
+    with fixed margins: ``tight_layout`` renders the figure once more just to measure it.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     rounds = per_round(recs)
     if not rounds:
         return
     xs = [k + 1 for k in rounds]
-    mean = [sum(v) / len(v) for v in rounds.values()]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.fill_between(xs, [min(v) for v in rounds.values()], [max(v) for v in rounds.values()], alpha=0.2,
+    cols = [sorted(v) for v in rounds.values()]
+    mean = [sum(v) / len(v) for v in cols]
+    fig = Figure(figsize=(6, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.fill_between(xs, [v[0] for v in cols], [v[-1] for v in cols], alpha=0.15, color="C0", linewidth=0,
                     label="min-max over peers")
-    ax.plot(xs, mean, marker="o", label="mean personalized accuracy")
+    if max(len(v) for v in cols) >= 4:
+        ax.fill_between(xs, [_quantile(v, 0.25) for v in cols], [_quantile(v, 0.75) for v in cols], alpha=0.3,
+                        color="C0", linewidth=0, label="25-75% of peers")
+    ax.plot(xs, mean, color="C0", marker="o" if len(xs) <= 30 else None, markersize=3,
+            label="mean personalized accuracy")
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.92)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:

@@ -1,0 +1,432 @@
+"""Many small peers: `p2pfl simulate` against a hand-written tight loop doing the same work.
+
+The protocol is `bench/reproduce/deprl_fmnist/base.yaml` (128 peers on a ring, cnn_small, D-PSGD
+with 3 local steps of batch 16 per peer per round, evaluation every 5 rounds and in the last,
+checkpoints every 10 and in the last). Each engine runs in a fresh child process (same imports,
+same dataset load), one after the other, alternating the order every repeat so both see the same
+load on a shared machine:
+
+* ``exact``: `p2pfl.simulation.simulate` (the default engine, bitwise equal to launch/compose).
+* ``loop``: the limit. ``workers`` processes x 1 torch thread, peer i on process i mod W as in the
+  simulation; every peer's flat parameters in one shared-memory tensor (double buffered), one
+  model per process whose parameters are views of a peer's row; per round each process runs its
+  peers' local SGD steps (same batches: the peer's own generator, same sampling), a barrier, the
+  ring mixing of its peers' rows (the topology's Metropolis weights), evaluation on the same
+  rounds, a barrier. No transport, no messages, no metrics, no checkpoints.
+
+Figures, per engine: ``s_per_round`` is the steady round, (end of the last round - end of the
+first) / (rounds - 1), from the run's own timestamps (the simulation's: when the last record of a
+round reached ``metrics.jsonl``); ``cpu_s_per_round`` the CPU seconds (user + system) of the whole
+process tree over the same span; ``total_s`` the child's wall time, start-up and teardown
+included; ``peak_rss_mb`` the peak of the process tree's summed RSS (``peak_pss_mb``: the same in
+PSS, which counts pages shared after fork once), sampled every 0.2 s by this process. Ratios are
+taken per repeat (side by side) and reported as median and min over repeats.
+
+Usage: python bench/many_peers.py [--rounds 11] [--peers 128] [--repeats 2] [--engines exact,loop]
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_CONFIG = ROOT / "bench" / "reproduce" / "deprl_fmnist" / "base.yaml"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# ---- process-tree accounting (Linux /proc) -------------------------------------------------------
+
+
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its descendants (children of any of its threads)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:  # the process just exited
+            continue
+    return out
+
+
+def tree_cpu(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of the process tree rooted at ``pid`` (default: this one).
+
+    Each living process counts its own time and that of its children already reaped (a worker
+    that exited and was joined still counts).
+    """
+    total = 0
+    for p in tree_pids(pid or os.getpid()):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime (stat fields 14-17)
+    return total / CLK_TCK
+
+
+def tree_memory(pid: int) -> tuple[float, float]:
+    """Summed RSS and PSS (MB) of the process tree rooted at ``pid``."""
+    rss = pss = 0
+    for p in tree_pids(pid):
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                rss += int(f.read().split()[1]) * PAGE
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        pss += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            continue
+    return rss / 1e6, pss / 1e6
+
+
+class MemorySampler(threading.Thread):
+    """Peak summed RSS / PSS of a child's process tree, sampled from outside (costs the child nothing)."""
+
+    def __init__(self, pid: int, period: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.period = pid, period
+        self.peak_rss = self.peak_pss = 0.0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            rss, pss = tree_memory(self.pid)
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self._stop_event.wait(self.period)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(5)
+
+
+# ---- the run every engine shares --------------------------------------------------------------
+
+
+def bench_config(args: argparse.Namespace, tmp: Path, extra: list[str] | None = None):
+    """The protocol's config at ``args.rounds`` rounds (and ``args.peers`` peers on a ring, if given)."""
+    from p2pfl.config import load_config
+    from p2pfl.topology import generate
+
+    sets = [f"rounds={args.rounds}", f"simulation.workers={args.workers}", *args.set, *(extra or [])]
+    if args.peers is not None:
+        import yaml
+
+        topo = generate("ring", args.peers, name=f"ring-{args.peers}")
+        path = tmp / f"ring-{args.peers}.yaml"
+        path.write_text(yaml.safe_dump(topo.to_dict(), sort_keys=False))
+        sets.append(f"topology={path}")
+    return load_config(args.config, sets)
+
+
+def _result(round_ends: list[tuple[float, float]], final_acc: float | None, **extra: Any) -> dict[str, Any]:
+    """Steady per-round wall and CPU from (time, tree CPU) at the end of every round."""
+    (t0, c0), (t1, c1) = round_ends[0], round_ends[-1]
+    n = len(round_ends) - 1
+    return {"s_per_round": (t1 - t0) / n, "cpu_s_per_round": (c1 - c0) / n, "rounds": len(round_ends),
+            "final_acc_mean": final_acc,
+            "round_ends": [(round(t - t0, 3), round(c - c0, 3)) for t, c in round_ends], **extra}
+
+
+class RoundWatcher(threading.Thread):
+    """Timestamps (time, tree CPU) when the last record of each round lands in ``metrics.jsonl``."""
+
+    def __init__(self, path: Path, peers: int, rounds: int, period: float = 0.01) -> None:
+        super().__init__(daemon=True)
+        self.path, self.peers, self.rounds, self.period = path, peers, rounds, period
+        self.ends: list[tuple[float, float]] = []
+        self._count: dict[int, int] = {}
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        pos, tail = 0, b""
+        while len(self.ends) < self.rounds and not self._stop_event.is_set():
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(pos)
+                    chunk = f.read()
+            except FileNotFoundError:
+                chunk = b""
+            if chunk:
+                pos += len(chunk)
+                *lines, tail = (tail + chunk).split(b"\n")
+                for line in lines:
+                    r = json.loads(line)["round"]
+                    self._count[r] = self._count.get(r, 0) + 1
+                    if self._count[r] == self.peers:
+                        self.ends.append((time.monotonic(), tree_cpu()))
+            else:
+                self._stop_event.wait(self.period)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(5)
+
+
+def run_simulation(args: argparse.Namespace, tmp: Path, engine_sets: list[str]) -> dict[str, Any]:
+    """One `simulate` run of the protocol (``engine_sets``: the overrides that pick an engine)."""
+    import torch
+
+    from p2pfl.experiment import Experiment
+    from p2pfl.simulation import simulate
+
+    torch.set_num_threads(1)
+    cfg = bench_config(args, tmp, engine_sets)
+    exp = Experiment.from_config(cfg)
+    run_dir = tmp / "run"
+    watcher = RoundWatcher(run_dir / "metrics.jsonl", len(exp.topology.ids), cfg.rounds)
+    watcher.start()
+    summary = simulate(cfg, run_dir, progress=False, experiment=exp)
+    watcher.stop()
+    if len(watcher.ends) != cfg.rounds:
+        raise RuntimeError(f"saw {len(watcher.ends)} of {cfg.rounds} rounds complete in metrics.jsonl")
+    return _result(watcher.ends, summary["final_acc_mean"], device=str(exp.device), workers=summary["workers"],
+                   peers=len(exp.topology.ids))
+
+
+def run_exact(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """The ``exact`` engine: every peer's Node as deployed, in-memory transport."""
+    return run_simulation(args, tmp, [])
+
+
+# ---- the tight loop (the limit) ---------------------------------------------------------------
+
+
+def _loop_worker(w: int, nworkers: int, exp: Any, flat: Any, mix: list[list[tuple[int, float]]], accs: Any,
+                 hp: dict[str, Any], barrier: Any) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from p2pfl.experiment import peer_seed
+
+    torch.set_num_threads(1)
+    ids = list(exp.topology.ids)
+    mine = [i for i in range(len(ids)) if i % nworkers == w]
+    model = exp.model_factory()
+    specs = [(p, s.offset, s.numel, s.shape) for s in exp.layout.specs
+             for name, p in model.named_parameters() if name == s.name]
+    data = {i: exp.peer_data(ids[i]) for i in mine}
+    train_rows = {i: torch.from_numpy(data[i].train_indices.copy()) for i in mine}
+    gens = {i: torch.Generator().manual_seed(peer_seed(exp.cfg.seed, i)) for i in mine}
+    ds = exp.dataset
+
+    def bind(row: torch.Tensor) -> None:
+        for p, off, n, shape in specs:
+            p.data = row[off : off + n].view(shape)
+
+    for r in range(hp["rounds"]):
+        cur, nxt = flat[r % 2], flat[(r + 1) % 2]
+        lr = hp["lr"] * hp["lr_decay"] ** r
+        model.train()
+        for i in mine:
+            bind(cur[i])
+            d, g = data[i], gens[i]
+            for _ in range(hp["steps"]):
+                pos = torch.randperm(d.num_train, generator=g)[: hp["batch_size"]]
+                rows = train_rows[i].index_select(0, pos)
+                x, y = ds.train_x.index_select(0, rows), ds.train_y.index_select(0, rows)
+                F.cross_entropy(model(x), y).backward()
+                with torch.no_grad():
+                    for p, *_ in specs:
+                        p.grad.add_(p, alpha=hp["weight_decay"])
+                        p.add_(p.grad, alpha=-lr)
+                        p.grad = None
+        barrier.wait()  # every row trained: mix
+        for i in mine:
+            acc = cur[i] * mix[i][0][1]
+            for j, wj in mix[i][1:]:
+                acc.add_(cur[j], alpha=wj)
+            nxt[i].copy_(acc)
+        if (r + 1) % hp["eval_every"] == 0 or r + 1 == hp["rounds"]:
+            model.eval()
+            with torch.no_grad():
+                for i in mine:
+                    bind(nxt[i])
+                    correct = n = 0
+                    for x, y in data[i].test_batches():
+                        correct += int((model(x).argmax(1) == y).sum())
+                        n += int(y.numel())
+                    accs[i] = correct / max(n, 1)
+        barrier.wait()  # end of round r
+
+
+def run_loop(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """The hand-written limit: same peers, batches, steps, mixing and evaluation; no framework."""
+    import torch
+
+    from p2pfl.experiment import Experiment
+
+    torch.set_num_threads(1)
+    cfg = bench_config(args, tmp)
+    exp = Experiment.from_config(cfg)
+    if exp.device.type != "cpu":
+        raise RuntimeError("the tight loop runs on CPU only")
+    topo = exp.topology
+    n = len(topo.ids)
+    W = topo.mixing_matrix()
+    mix = [[(i, float(W[i, i]))] + [(j, float(W[i, j])) for j in range(n) if j != i and W[i, j] != 0]
+           for i in range(n)]
+    hp = dict(cfg.hyperparameters())
+    hp = {"rounds": cfg.rounds, "lr": float(hp["lr"]), "lr_decay": float(hp.get("lr_decay", 1.0)),
+          "weight_decay": float(hp.get("weight_decay", 0.0)), "steps": int(hp["local_steps"]),
+          "batch_size": cfg.data.batch_size, "eval_every": cfg.eval_every}
+    exp.partition  # noqa: B018 - load data before forking
+    flat = exp._init[1].expand(2, n, -1).clone().share_memory_()
+    accs = torch.zeros(n).share_memory_()
+    workers = max(1, min(args.workers, n))
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(workers + 1)
+    procs = [ctx.Process(target=_loop_worker, args=(w, workers, exp, flat, mix, accs, hp, barrier), daemon=True)
+             for w in range(workers)]
+    for p in procs:
+        p.start()
+    ends: list[tuple[float, float]] = []
+    try:
+        for _ in range(cfg.rounds):
+            barrier.wait(timeout=3600)
+            barrier.wait(timeout=3600)
+            ends.append((time.monotonic(), tree_cpu()))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"loop worker failed: exit codes {[p.exitcode for p in procs]}")
+    return _result(ends, float(accs.mean()), device=str(exp.device), workers=workers, peers=n)
+
+
+#: Engine name -> function running it in this (child) process. Add an engine here.
+ENGINES: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
+    "exact": run_exact,
+    "loop": run_loop,
+}
+
+
+# ---- driver ------------------------------------------------------------------------------------
+
+
+def child_main(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="p2pfl-many-") as tmp:
+        res = ENGINES[args.child](args, Path(tmp))
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def run_child(engine: str, argv: list[str]) -> dict[str, Any]:
+    """Run ``engine`` in a fresh process; add its total wall time and peak memory."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, __file__, *argv, "--child", engine], stdout=subprocess.PIPE, text=True)
+    sampler = MemorySampler(proc.pid)
+    sampler.start()
+    out, _ = proc.communicate()
+    total = time.monotonic() - t0
+    sampler.stop()
+    if proc.returncode:
+        raise SystemExit(f"engine {engine} failed (exit code {proc.returncode})")
+    line = next(ln for ln in reversed(out.splitlines()) if ln.startswith("RESULT "))
+    res = json.loads(line[len("RESULT "):])
+    res.update(total_s=total, peak_rss_mb=sampler.peak_rss, peak_pss_mb=sampler.peak_pss)
+    return res
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG))
+    ap.add_argument("--rounds", type=int, default=11, help="rounds per run (>= 2; the first is not timed)")
+    ap.add_argument("--peers", type=int, default=None, help="peers on a ring (default: the config's topology)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--engines", default="exact,loop", help=f"comma-separated, of {sorted(ENGINES)}")
+    ap.add_argument("--set", action="append", default=[], help="extra config override dotted.key=VALUE")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.rounds < 2:
+        ap.error("--rounds must be >= 2")
+    if args.child:
+        child_main(args)
+        return
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        ap.error(f"unknown engines {unknown} (known: {sorted(ENGINES)})")
+    passed = [f"--config={args.config}", f"--rounds={args.rounds}", f"--workers={args.workers}",
+              *([f"--peers={args.peers}"] if args.peers else []), *(f"--set={s}" for s in args.set)]
+    load_before = os.getloadavg()[0]
+    runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
+    for rep in range(args.repeats):
+        order = engines if rep % 2 == 0 else engines[::-1]
+        for e in order:
+            res = run_child(e, passed)
+            runs[e].append(res)
+            print(f"rep {rep} {e:8s}: {res['s_per_round']:.3f} s/round, {res['cpu_s_per_round']:.3f} CPU s/round, "
+                  f"total {res['total_s']:.1f} s, peak RSS {res['peak_rss_mb']:.0f} MB (PSS {res['peak_pss_mb']:.0f}), "
+                  f"final acc {res['final_acc_mean']}", flush=True)
+    load_after = os.getloadavg()[0]
+
+    def med(e: str, key: str) -> float | None:
+        return round(statistics.median(r[key] for r in runs[e]), 3) if e in runs else None
+
+    def ratio(a: str, b: str, key: str) -> dict[str, float] | None:
+        if a not in runs or b not in runs:
+            return None
+        return _stats([x[key] / y[key] for x, y in zip(runs[a], runs[b], strict=True)])
+
+    first = runs[engines[0]][0]
+    summary: dict[str, Any] = {
+        "device": first["device"],
+        "peers": first["peers"], "rounds": args.rounds, "workers": first["workers"], "repeats": args.repeats,
+        "exact_s_per_round": med("exact", "s_per_round"),
+        "batched_s_per_round": med("batched", "s_per_round"),
+        "loop_s_per_round": med("loop", "s_per_round"),
+        "exact_cpu_s_per_round": med("exact", "cpu_s_per_round"),
+        "batched_cpu_s_per_round": med("batched", "cpu_s_per_round"),
+        "loop_cpu_s_per_round": med("loop", "cpu_s_per_round"),
+        "exact_vs_loop": ratio("exact", "loop", "s_per_round"),
+        "exact_vs_loop_cpu": ratio("exact", "loop", "cpu_s_per_round"),
+        "exact_vs_loop_rss": ratio("exact", "loop", "peak_rss_mb"),
+        "exact_vs_loop_pss": ratio("exact", "loop", "peak_pss_mb"),
+        "batched_vs_exact": ratio("batched", "exact", "s_per_round"),
+        "batched_vs_loop": ratio("batched", "loop", "s_per_round"),
+        "peak_rss_mb": med("exact", "peak_rss_mb"),
+        "peak_pss_mb": med("exact", "peak_pss_mb"),
+        "batched_rss_mb": med("batched", "peak_rss_mb"),
+        "loop_rss_mb": med("loop", "peak_rss_mb"),
+        "loop_pss_mb": med("loop", "peak_pss_mb"),
+        "exact_total_s": med("exact", "total_s"),
+        "batched_total_s": med("batched", "total_s"),
+        "loop_total_s": med("loop", "total_s"),
+        "final_acc_mean": {e: runs[e][-1]["final_acc_mean"] for e in engines},
+        "cpus": os.cpu_count(),
+        "load_avg_1m": [round(load_before, 2), round(load_after, 2)],
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
