@@ -195,6 +195,8 @@ def load_yaml_text(text: str, source: str, limits: YamlLimits = YamlLimits()) ->
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         what = " ".join(p for p in (exc.context, exc.problem) if p) or "invalid YAML"
+        if exc.context_mark is not None and mark is not None and exc.context_mark.line != mark.line:
+            what += f" (the construct began on line {exc.context_mark.line + 1})"
         raise BadInput(f"invalid YAML: {what}", source=source, line=None if mark is None else mark.line + 1) from None
     except yaml.YAMLError as exc:
         raise BadInput(f"invalid YAML: {exc}", source=source) from None
@@ -209,8 +211,13 @@ def load_yaml_file(path: str | Path, what: str = "file", limits: YamlLimits = Ya
     p = Path(path)
     source = str(p)
     try:
-        with open(p, "rb") as f:
-            raw = f.read(limits.max_bytes + 1)
+        with open(p, "rb") as f:  # in chunks: read(max_bytes) would allocate max_bytes up front
+            chunks: list[bytes] = []
+            size = 0
+            while size <= limits.max_bytes and (chunk := f.read(1 << 20)):
+                chunks.append(chunk)
+                size += len(chunk)
+            raw = b"".join(chunks)
     except FileNotFoundError:
         raise BadInput(f"{what} not found", source=source) from None
     except IsADirectoryError:
