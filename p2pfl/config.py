@@ -373,14 +373,13 @@ def _parse_app_config(data: dict[str, Any], base: Path | None, check_files: bool
         if not (module and sep and attr):
             raise ConfigError(f"{shorten(getattr(parsed, key))!r} is not 'package.module:attr'", key=key)
     raw = copy.deepcopy(data)
-    raw["algorithm"] = {"name": "clientapp"}
     raw["topology"] = resolve_path(parsed.topology, base)
     if check_files:
         _check_topology(raw["topology"])
     ck = parsed.checkpoint
     return ExperimentConfig(
         name=parsed.name, seed=parsed.seed, rounds=parsed.rounds, device=parsed.device,
-        topology=raw["topology"], data=parsed.data, model={}, algorithm=raw["algorithm"],  # type: ignore[arg-type]
+        topology=raw["topology"], data=parsed.data, model={}, algorithm={"name": "clientapp"},  # type: ignore[arg-type]
         network=parsed.network, workers=parsed.simulation.workers, eval_every=parsed.eval_every,
         checkpoint_every=ck.every if ck.enabled else 0, raw=raw, simulation=parsed.simulation, checkpoint=ck,
     )

@@ -195,3 +195,32 @@ def test_fedrep_under_flowers_ray_runtime_matches_the_in_process_numbers(tmp_pat
     ray_recs = [{k: r[k] for k in keys} for r in _records(tmp_path / "ray")]
     assert len(ray_recs) == 4
     assert ray_recs == [{k: r[k] for k in keys} for r in _records(tmp_path / "inproc")]
+
+
+@pytest.mark.timeout(300)
+def test_a_configs_own_clientapp_runs_under_fedper_and_fedavg(tmp_path: Path) -> None:
+    """The quickstart ClientApp (config ``app:``) as Flower nodes: FedPer keeps its ``fc2.`` head at home."""
+    from tests.test_clientapp_p2p import app_config
+
+    cfg = load_config(app_config(tmp_path))
+    exp = Experiment.from_config(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        per = run_baseline(cfg, tmp_path / "fedper", "fedper", runtime="in-process", experiment=exp)
+        avg = run_baseline(cfg, tmp_path / "fedavg", "fedavg", runtime="in-process", experiment=exp)
+    finally:
+        torch.set_num_threads(threads)
+    assert per["algorithm"] == avg["algorithm"] == "clientapp" and per["runtime"] == "in-process"
+    per_recs, avg_recs = _records(tmp_path / "fedper"), _records(tmp_path / "fedavg")
+    assert len(per_recs) == len(avg_recs) == 2 * 3
+    for r in per_recs:  # the app's own metrics, under their own names
+        assert {"eval_acc", "eval_loss", "train_loss", "num-examples", "train-num-examples"} <= set(r)
+        assert r["acc"] == r["eval_acc"]
+    shared, total = exp.layout.num_shared * 4, exp.layout.numel * 4
+    assert all(shared <= r["bytes_sent"] < shared + 2048 for r in per_recs)  # the body only went to the server
+    assert all(total <= r["bytes_sent"] < total + 2048 for r in avg_recs)  # FedAvg: everything
+    # Same start, same local rule: round 1's training is the same in both (the server only averages after it).
+    assert [r["train_loss"] for r in per_recs[:3]] == [r["train_loss"] for r in avg_recs[:3]]
+    with pytest.raises(ValueError, match="'clientapp' is not a fedrep local rule"):
+        baseline_of("fedrep", cfg.algorithm_name)

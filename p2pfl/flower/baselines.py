@@ -56,6 +56,7 @@ from p2pfl.flower.records import (
     number,
     record_bytes,
     record_of,
+    scalar_metrics,
     tensor_of,
 )
 from p2pfl.modelpool import ModelPool
@@ -70,6 +71,7 @@ STATE_PERSONAL, STATE_RNG, STATE_EXTRA, STATE_SCALARS, STATE_ROUND = (
     "p2pfl.personal", "p2pfl.rng", "p2pfl.extra", "p2pfl.scalars", "p2pfl.round")
 JOINT = ("local", "dfedavg", "dfedavgm", "dpsgd", "dfedsam")
 ALTERNATING = ("deprl", "dfedmdc", "dfedsmdc")
+APP = "clientapp"  # a config's own Flower ClientApp: its train handler is the local rule
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,8 @@ class Baseline:
 
 
 BASELINES: dict[str, Baseline] = {
-    "fedavg": Baseline("fedavg", "all", JOINT),
-    "fedper": Baseline("fedper", "shared", JOINT),
+    "fedavg": Baseline("fedavg", "all", (*JOINT, APP)),
+    "fedper": Baseline("fedper", "shared", (*JOINT, APP)),
     "fedrep": Baseline("fedrep", "shared", ALTERNATING),
 }
 
@@ -280,9 +282,85 @@ class BaselinePeers:
         }), reply_to=msg)
 
 
+class AppBaselinePeers(BaselinePeers):
+    """A config's own ClientApp (``app:``) under a server: the app sees exactly what it sees as a P2P peer.
+
+    The server sends the averaged part (the shared keys for FedPer, everything for FedAvg); this
+    wrapper adds the node's personal keys from ``Context.state`` (phi(0)'s before its first train),
+    hands the app the full state with ``app_config`` as its ``run_config``, keeps the personal keys
+    of its reply at home and sends the rest back. The app's metrics pass through unchanged.
+    """
+
+    def _app_context(self, context: Context, peer_id: str, index: int) -> Context:
+        exp = self.exp
+        assert exp.app_spec is not None
+        cfg = {"partition-id": index, "num-partitions": len(exp.topology.ids), "peer-id": peer_id}
+        return Context(run_id=context.run_id, node_id=context.node_id, node_config=cfg, state=context.state,
+                       run_config=dict(exp.app_spec.config))
+
+    def _peer_index(self, context: Context) -> tuple[str, int]:
+        ids = self.exp.topology.ids
+        cfg = context.node_config
+        if "peer-id" in cfg:
+            pid = str(cfg["peer-id"])
+        else:
+            n = int(cfg.get("num-partitions", len(ids)))
+            if n != len(ids):
+                raise ValueError(f"{n} nodes for a topology of {len(ids)} peers: run one node per peer")
+            pid = ids[int(cfg["partition-id"])]
+        return pid, self.exp.topology.index(pid)
+
+    def _forward(self, msg: Message, context: Context) -> tuple[Message, str]:
+        from p2pfl.flower.clientapp import load_client_app
+
+        exp = self.exp
+        layout, dtypes = exp.layout, exp._app_init[2]
+        pid, index = self._peer_index(context)
+        flat = self._received(msg)
+        if self._cache["scope"] == "shared":
+            flat[layout.num_shared:].copy_(self.personal_head(context).to(flat.device))
+        content = RecordDict({ARRAYS_KEY: array_record(layout.views(flat), dtypes),
+                              CONFIG_KEY: record_of(msg.content, CONFIG_KEY, ConfigRecord)})
+        md = msg.metadata
+        inner = instruction(content, md.message_type, run_id=md.run_id, src_node_id=md.src_node_id,
+                            dst_node_id=md.dst_node_id, message_id=md.message_id, group_id=md.group_id)
+        if "app" not in self._cache:
+            self._cache["app"] = load_client_app(exp.app_spec.app)  # type: ignore[union-attr]
+        reply = self._cache["app"](inner, self._app_context(context, pid, index))
+        if reply.has_error():
+            raise FlowerPeerError(f"peer {pid}: the app's {md.message_type} reply is an error: {reply.error.reason}")
+        return reply, pid
+
+    def train(self, msg: Message, context: Context) -> Message:
+        torch.set_num_threads(1)
+        reply, pid = self._forward(msg, context)
+        layout = self.exp.layout
+        recs = list(reply.content.array_records.values())
+        if len(recs) != 1:
+            raise FlowerPeerError(f"peer {pid}: a train reply must hold one ArrayRecord, it holds {len(recs)}")
+        flat = torch.empty(layout.numel, dtype=torch.float32)
+        load_arrays(layout.specs, recs[0], flat, f"peer {pid}: train reply")
+        if self._cache["scope"] == "shared":
+            context.state[STATE_PERSONAL] = array_record(layout.views(flat, "personal"))
+        part = "shared" if self._cache["scope"] == "shared" else "all"
+        out = RecordDict({ARRAYS_KEY: array_record(layout.views(flat, part), self.exp._app_init[2]),
+                          PEER_KEY: ConfigRecord({"peer-id": pid})})
+        for key, rec in reply.content.metric_records.items():
+            out[key] = rec
+        return Message(out, reply_to=msg)
+
+    def evaluate(self, msg: Message, context: Context) -> Message:
+        torch.set_num_threads(1)
+        reply, pid = self._forward(msg, context)
+        out = RecordDict({PEER_KEY: ConfigRecord({"peer-id": pid})})
+        for key, rec in reply.content.metric_records.items():
+            out[key] = rec
+        return Message(out, reply_to=msg)
+
+
 def make_client_app(raw: dict[str, Any], baseline: str) -> ClientApp:
     """A Flower ClientApp for every peer of the config ``raw`` (which peer: from the node's Context)."""
-    peers = BaselinePeers(raw, baseline)
+    peers = (AppBaselinePeers if raw.get("app") else BaselinePeers)(raw, baseline)
     app = ClientApp()
     app.train()(peers.train)
     app.evaluate()(peers.evaluate)
@@ -292,11 +370,19 @@ def make_client_app(raw: dict[str, Any], baseline: str) -> ClientApp:
 def initial_arrays(exp: Experiment, scope: str) -> ArrayRecord:
     """The server's starting point: the experiment's one initial model (its shared part for FedPer/FedRep)."""
     layout, flat = exp._init
-    return array_record(layout.views(flat, "shared" if scope == "shared" else "all"))
+    dtypes = exp._app_init[2] if exp.app_spec is not None else None
+    return array_record(layout.views(flat, "shared" if scope == "shared" else "all"), dtypes)
 
 
 # -- the server side --------------------------------------------------------------------------------
 Observer = Callable[[dict[str, Any]], None]
+
+
+def _scalars(msg: Message) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for rec in msg.content.metric_records.values():
+        out.update(scalar_metrics(rec))
+    return out
 
 
 def _peer_id(msg: Message) -> str:
@@ -343,23 +429,29 @@ class RecordingFedAvg(FedAvg):
                                                                                          MetricRecord | None]:
         replies = self._sorted(replies, "train")
         for m in replies:
-            metrics = record_of(m.content, METRICS_KEY, MetricRecord)
-            self._train[_peer_id(m)] = {"train_loss": number(metrics, "train_loss"),
-                                        "train_seconds": number(metrics, "train_seconds"),
-                                        "bytes_sent": record_bytes(m.content), "bytes_recv": self.sent_bytes}
+            metrics = _scalars(m)
+            # Flower's ``num-examples`` is in both replies; the train one keeps its own column.
+            rec = {("train-num-examples" if k == "num-examples" else k): v for k, v in metrics.items()}
+            rec.update(bytes_sent=record_bytes(m.content), bytes_recv=self.sent_bytes)
+            self._train[_peer_id(m)] = rec
         return super().aggregate_train(server_round, replies)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        from p2pfl.flower.clientapp import ACC_NAMES, LOSS_NAMES
+
         replies = self._sorted(replies, "evaluate")
         for m in replies:
             pid = _peer_id(m)
-            metrics = record_of(m.content, METRICS_KEY, MetricRecord)
-            tr = self._train.pop(pid, {"train_loss": None, "train_seconds": 0.0, "bytes_sent": 0, "bytes_recv": 0})
-            self.record({"round": server_round - 1, "peer": pid, "acc": number(metrics, "accuracy"),
-                         "loss": number(metrics, "loss"), "train_loss": tr["train_loss"],
-                         "bytes_sent": tr["bytes_sent"], "bytes_recv": tr["bytes_recv"] + self.sent_bytes,
-                         "consensus_dist": 0.0, "missing": [], "train_seconds": tr["train_seconds"],
-                         "seconds": tr["train_seconds"]})
+            metrics = _scalars(m)
+            rec: dict[str, Any] = {"round": server_round - 1, "peer": pid, **metrics,
+                                   "acc": next((metrics[k] for k in ACC_NAMES if k in metrics), None),
+                                   "loss": next((metrics[k] for k in LOSS_NAMES if k in metrics), None),
+                                   "consensus_dist": 0.0, "missing": []}
+            tr = self._train.pop(pid, {"bytes_sent": 0, "bytes_recv": 0})
+            rec.update(tr)
+            rec["bytes_recv"] = tr["bytes_recv"] + self.sent_bytes
+            rec["seconds"] = float(tr.get("train_seconds", 0.0))
+            self.record(rec)
         return super().aggregate_evaluate(server_round, replies)
 
 
