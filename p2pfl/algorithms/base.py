@@ -55,6 +55,9 @@ class TrainContext:
     data: PeerData
     generator: torch.Generator  # this peer's own randomness (minibatch order)
     device: torch.device
+    #: Head phases (body frozen) train on the body's features computed once per phase; None:
+    #: ``local_sgd.FROZEN_BODY_CACHE``, the same in every mode (so simulate and launch agree).
+    cache_frozen: bool | None = None
 
     #: False here; True for the batched engine's context, whose tensors are ``[peers, ...]``.
     batched: ClassVar[bool] = False

@@ -156,20 +156,23 @@ class RuleSGD(torch.optim.Optimizer):
 def run_sgd(ctx: TrainContext, params: list[nn.Parameter], *, lr: float, epochs: float | None = None,
             steps: int | None = None, momentum: float = 0.0, weight_decay: float = 0.0,
             step_fn: StepFn | None = None, after_step: Callable[[], None] | None = None,
-            grad_clip: float = 0.0, grad_term: GradTerm | None = None, names: list[str] | None = None) -> float:
+            grad_clip: float = 0.0, grad_term: GradTerm | None = None, names: list[str] | None = None,
+            source: Iterable[tuple[Tensor, Tensor]] | None = None) -> float:
     """SGD over ``params`` only (others frozen); returns the mean training loss.
 
-    Per minibatch: ``step_fn`` leaves the loss gradient in ``p.grad``; then ``clip_grads``
-    (``grad_clip`` > 0), plus ``grad_term(name, p)`` (``names`` gives the names), then the shared
-    ``sgd_step_`` rule, then ``after_step``.
+    Per minibatch (``source``, by default the peer's ``batches``): ``step_fn`` leaves the loss
+    gradient in ``p.grad``; then ``clip_grads`` (``grad_clip`` > 0), plus ``grad_term(name, p)``
+    (``names`` gives the names), then the shared ``sgd_step_`` rule, then ``after_step``.
     """
     model = ctx.model
     step_fn = step_fn or loss_step(model)
     opt = RuleSGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     total, count = 0.0, 0
     model.train()
+    if source is None:
+        source = batches(ctx, epochs=epochs, steps=steps)
     with trainable(model, params):
-        for x, y in batches(ctx, epochs=epochs, steps=steps):
+        for x, y in source:
             opt.zero_grad(set_to_none=True)
             loss = step_fn(x, y)
             with torch.no_grad():
@@ -228,6 +231,81 @@ def train_exact(ctx: TrainContext, block: str, phase: Phase, *, grad_term: GradT
     lr = phase.lr
     if isinstance(lr, Tensor):
         lr = float(lr)
+    source = None
+    if block == "personal" and use_frozen_cache(ctx.cache_frozen) and can_represent(ctx.model) \
+            and frozen_cache_pays(phase, ctx.data):
+        # The body is frozen for the whole phase: its features of the phase's minibatches are
+        # computed once, and the head trains on them (same minibatches, same update rule).
+        head = ctx.model.head()  # type: ignore[operator]
+        source = frozen_feature_batches(ctx.model, ctx.data, ctx.generator, phase)
+        step_fn = sam_step(head, params, phase.sam_rho) if phase.sam_rho > 0 else loss_step(head)
     return run_sgd(ctx, params, lr=lr, momentum=phase.momentum, weight_decay=phase.weight_decay,
                    step_fn=step_fn, after_step=after, grad_clip=phase.grad_clip, grad_term=grad_term,
-                   names=names, **phase.work())
+                   names=names, source=source, **phase.work())
+
+
+# -- frozen-body phases ---------------------------------------------------------------------------
+#: Rows per forward pass when computing a frozen body's features (larger batches of a conv body
+#: run slower per sample on a CPU once their activations leave the cache).
+FEATURE_ROWS = 256
+#: Whether head phases train on cached body features (every engine, every mode).
+FROZEN_BODY_CACHE = True
+
+
+def use_frozen_cache(flag: bool | None) -> bool:
+    """A context's own setting, else the module default (read at call time, so tests can flip it)."""
+    return FROZEN_BODY_CACHE if flag is None else bool(flag)
+
+
+def frozen_cache_pays(phase: Phase, data: PeerData) -> bool:
+    """Whether a head phase visits samples more than once, so cached features are reused.
+
+    Measured (``bench/frozen_body.py``): a phase that sees each sample once (one epoch, or a few
+    random minibatches) gains nothing from computing the features apart and loses a little; two
+    or more epochs save most of the head phase. So those phases keep the plain path, bit for bit.
+    """
+    if phase.unit == "epochs":
+        return float(phase.amount) > 1.0
+    return int(phase.amount) * data.batch_size > data.num_train
+
+
+def can_represent(model: nn.Module) -> bool:
+    """Whether ``model`` is ``head(represent(x))`` (the zoo's ``PersonalModel``)."""
+    from p2pfl.models.base import PersonalModel
+
+    return isinstance(model, PersonalModel) and type(model).represent is not PersonalModel.represent
+
+
+def phase_plan(data: PeerData, generator: torch.Generator, phase: Phase) -> tuple[list[Tensor], Tensor, list[Tensor]]:
+    """All minibatch positions of a phase, drawn up front (the same draws, in the same order).
+
+    Returns ``(plan, needed, rows)``: the positions per step, the distinct positions (sorted), and
+    per step the rows of ``needed`` that its minibatch takes.
+    """
+    plan = list(position_batches(data, generator, **phase.work()))
+    if not plan:
+        return plan, torch.zeros(0, dtype=torch.int64), []
+    needed, inverse = torch.unique(torch.cat(plan), return_inverse=True)
+    return plan, needed, list(torch.split(inverse, [int(p.numel()) for p in plan]))
+
+
+@torch.no_grad()
+def frozen_features(model: nn.Module, data: PeerData, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """The body's features (and the labels) of the samples at ``positions``, in chunks."""
+    model.train()  # as the uncached path computes them (no zoo layer depends on the mode)
+    feats, labels = [], []
+    for start in range(0, int(positions.numel()), FEATURE_ROWS):
+        x, y = data.train_batch(positions[start : start + FEATURE_ROWS])
+        feats.append(model.represent(x))  # type: ignore[operator]
+        labels.append(y)
+    return torch.cat(feats), torch.cat(labels)
+
+
+def frozen_feature_batches(model: nn.Module, data: PeerData, generator: torch.Generator,
+                           phase: Phase) -> list[tuple[Tensor, Tensor]]:
+    """The phase's minibatches as (features, labels): the body runs once per distinct sample."""
+    _, needed, rows = phase_plan(data, generator, phase)
+    if not rows:
+        return []
+    feats, labels = frozen_features(model, data, needed)
+    return [(feats.index_select(0, r), labels.index_select(0, r)) for r in rows]

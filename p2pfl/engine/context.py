@@ -23,7 +23,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from p2pfl.algorithms.local_sgd import GradTerm, Phase, block_names, position_batches
+from p2pfl.algorithms.local_sgd import (
+    GradTerm,
+    Phase,
+    block_names,
+    can_represent,
+    frozen_cache_pays,
+    phase_plan,
+    position_batches,
+    use_frozen_cache,
+)
 from p2pfl.algorithms.rules import clip_grads, sam_perturbation, sgd_step_
 from p2pfl.data.datasets import ArrayDataset
 from p2pfl.data.loader import PeerData
@@ -95,6 +104,19 @@ class BatchedContext:
 
         # one forward/backward for every peer: vmap over the peer dimension of all arguments
         self._grad = vmap(grad(loss, has_aux=True))
+        self.cache_frozen: bool | None = None  # as TrainContext.cache_frozen
+        if can_represent(self.model):
+            body, head = _Represent(self.model), self.model.head()  # type: ignore[operator]
+
+            def represent(p: dict[str, Tensor], x: Tensor) -> Tensor:
+                return functional_call(body, {"m." + k: v for k, v in p.items()}, (x,))
+
+            def head_loss(p: dict[str, Tensor], f: Tensor, y: Tensor, w: Tensor):
+                out = _weighted_ce(functional_call(head, p, (f,)), y, w)
+                return out, out.detach()
+
+            self._represent = vmap(represent)
+            self._head_grad = vmap(grad(head_loss, has_aux=True))
 
     # -- what algorithms call -------------------------------------------------------------------
     def train(self, block: str, phase: Phase, *, grad_term: GradTerm | None = None,
@@ -112,15 +134,17 @@ class BatchedContext:
         loss_sum = torch.zeros(self.num_peers, device=self.device)
         steps = torch.zeros(self.num_peers, device=self.device)
         model_mode(self.model, train=True)
-        for positions in self._lockstep(phase):
-            active = torch.tensor([p is not None for p in positions], device=self.device)
-            x, y, w = self._train.gather(positions, max(int(p.numel()) for p in positions if p is not None))
-            grads, loss = self._grad(trained, frozen, x, y, w)
+        if block == "personal" and use_frozen_cache(self.cache_frozen) and can_represent(self.model) \
+                and any(frozen_cache_pays(phase, d) for d in self.datas):
+            source = self._head_steps(phase, names)
+        else:
+            source = self._data_steps(phase, frozen)
+        for active, grad_at in source:
+            grads, loss = grad_at(trained)
             g = [grads[n] for n in names]
             if phase.sam_rho > 0:  # the gradient again at w + rho g / ||g||, on the same minibatch
                 e = sam_perturbation(g, phase.sam_rho, bdims=1)
-                perturbed = {n: trained[n] + en for n, en in zip(names, e, strict=True)}
-                grads, _ = self._grad(perturbed, frozen, x, y, w)
+                grads, _ = grad_at({n: trained[n] + en for n, en in zip(names, e, strict=True)})
                 g = [grads[n] for n in names]
             if phase.grad_clip > 0:
                 g = clip_grads(g, phase.grad_clip, bdims=1)
@@ -187,6 +211,80 @@ class BatchedContext:
             if not any(live):
                 return
             yield out
+
+    def _data_steps(self, phase: Phase, frozen: dict[str, Tensor]) -> Iterator[tuple[Tensor, GradAt]]:
+        """Per step: which peers step, and the vmapped gradient on their minibatches."""
+        for positions in self._lockstep(phase):
+            active = torch.tensor([p is not None for p in positions], device=self.device)
+            x, y, w = self._train.gather(positions, max(int(p.numel()) for p in positions if p is not None))
+
+            def grad_at(params: dict[str, Tensor], x: Tensor = x, y: Tensor = y, w: Tensor = w):
+                return self._grad(params, frozen, x, y, w)
+
+            yield active, grad_at
+
+    def _head_steps(self, phase: Phase, names: list[str]) -> Iterator[tuple[Tensor, GradAt]]:
+        """A head phase on cached body features: each peer's body runs once per distinct sample."""
+        plans = [phase_plan(d, g, phase) for d, g in zip(self.datas, self.generators, strict=True)]
+        feats, labels = self._features([needed for _, needed, _ in plans])
+        prefix = self.model.HEAD + "."  # type: ignore[operator]
+        local = {n: n[len(prefix):] for n in names}
+        for k in range(max((len(rows) for _, _, rows in plans), default=0)):
+            rows = [r[k] if k < len(r) else None for _, _, r in plans]
+            active = torch.tensor([r is not None for r in rows], device=self.device)
+            width = max(int(r.numel()) for r in rows if r is not None)
+            idx = torch.zeros(self.num_peers, width, dtype=torch.int64)
+            w = torch.zeros(self.num_peers, width)
+            for i, r in enumerate(rows):
+                if r is not None:
+                    idx[i, : r.numel()] = r
+                    w[i, : r.numel()] = 1.0
+            idx, w = idx.to(self.device), w.to(self.device)
+            f = torch.gather(feats, 1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+            y = torch.gather(labels, 1, idx)
+
+            def grad_at(params: dict[str, Tensor], f: Tensor = f, y: Tensor = y, w: Tensor = w):
+                return self._head_grad({local[n]: p for n, p in params.items()}, f, y, w)
+
+            yield active, _renamed(grad_at, {v: k for k, v in local.items()})
+
+    @torch.no_grad()
+    def _features(self, needed: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """``[peers, max distinct, features]`` body outputs (and labels) of each peer's needed samples."""
+        width = max((int(n.numel()) for n in needed), default=0)
+        params = self.layout.views(self.flat)
+        chunk = max(1, EVAL_ROWS // max(1, self.num_peers))
+        feats, labels = [], []
+        for start in range(0, width, chunk):
+            positions: list[Tensor | None] = [n[start : start + chunk] if start < n.numel() else None for n in needed]
+            x, y, _ = self._train.gather(positions, min(chunk, width - start))
+            feats.append(self._represent(params, x))
+            labels.append(y)
+        return torch.cat(feats, dim=1), torch.cat(labels, dim=1)
+
+
+GradAt = Any  # (trained params) -> (grads by name, loss per peer)
+
+
+def _renamed(grad_at: Any, names: dict[str, str]) -> Any:
+    """Wrap a head gradient function so its gradients carry the model's parameter names."""
+
+    def wrapped(params: dict[str, Tensor]):
+        grads, loss = grad_at(params)
+        return {names[k]: v for k, v in grads.items()}, loss
+
+    return wrapped
+
+
+class _Represent(nn.Module):
+    """``model.represent`` as a module's forward, for ``functional_call``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.m.represent(x)  # type: ignore[operator]
 
 
 def _uniform(lr: Any) -> Any:

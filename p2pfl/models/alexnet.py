@@ -50,7 +50,7 @@ class AlexNet(PersonalModel):
         self.fc7 = nn.Linear(4096, 4096)
         self.fc8 = nn.Linear(4096, num_classes)  # personal head, registered last
 
-    def forward(self, x: Tensor) -> Tensor:
+    def represent(self, x: Tensor) -> Tensor:
         x = self.pad(x)
         x = self.pool(self.conv1(x).relu())
         x = self.pool(self.conv2(x).relu())
@@ -59,5 +59,4 @@ class AlexNet(PersonalModel):
         x = self.pool(self.conv5(x).relu())
         x = x.flatten(1)
         x = self.fc6(x).relu()
-        x = self.fc7(x).relu()
-        return self.fc8(x)
+        return self.fc7(x).relu()

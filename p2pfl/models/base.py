@@ -22,9 +22,24 @@ class PersonalModel(nn.Module):
     Subclasses set ``HEAD`` to the module path of their final ``nn.Linear`` (the personal head:
     weight and bias) and register that layer *last*, so that ``named_parameters()`` lists the
     shared body first and the head at the end.
+
+    Subclasses implement ``represent(x)``, the body's features; ``forward`` is the head applied to
+    them. Why the split: an algorithm that trains the head with the body frozen (DePRL, DFedMDC,
+    DFedPGP) computes the features of its minibatches once per phase instead of once per step.
     """
 
     HEAD: ClassVar[str] = ""
+
+    def represent(self, x: Tensor) -> Tensor:
+        """The body's output: what the head (``HEAD``, the final linear layer) is applied to."""
+        raise NotImplementedError
+
+    def head(self) -> nn.Linear:
+        """The personal head module."""
+        return getattr(self, self.HEAD)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return getattr(self, self.HEAD)(self.represent(x))
 
 
 def check_input_shape(input_shape: tuple[int, ...]) -> InputShape:

@@ -40,13 +40,12 @@ class LeNet(PersonalModel):
         self.fc2 = nn.Linear(384, 192)
         self.fc3 = nn.Linear(192, num_classes)  # personal head, registered last
 
-    def forward(self, x: Tensor) -> Tensor:
+    def represent(self, x: Tensor) -> Tensor:
         x = self.pool(self.conv1(x).relu())
         x = self.pool(self.conv2(x).relu())
         x = x.flatten(1)
         x = self.fc1(x).relu()
-        x = self.fc2(x).relu()
-        return self.fc3(x)
+        return self.fc2(x).relu()
 
 
 class SmallCNN(PersonalModel):
@@ -79,8 +78,7 @@ class SmallCNN(PersonalModel):
         self.fc1 = nn.Linear(c2 * fh * fw, hidden)
         self.fc2 = nn.Linear(hidden, num_classes)  # personal head, registered last
 
-    def forward(self, x: Tensor) -> Tensor:
+    def represent(self, x: Tensor) -> Tensor:
         x = self.pool(self.conv1(x).relu())
         x = self.pool(self.conv2(x).relu())
-        x = self.fc1(x.flatten(1)).relu()
-        return self.fc2(x)
+        return self.fc1(x.flatten(1)).relu()

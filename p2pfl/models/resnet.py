@@ -73,7 +73,7 @@ class ResNet18(PersonalModel):
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.linear = nn.Linear(512, num_classes)  # personal head, registered last
 
-    def forward(self, x: Tensor) -> Tensor:
+    def represent(self, x: Tensor) -> Tensor:
         x = self.gn1(self.conv1(x)).relu()
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.linear(self.pool(x).flatten(1))
+        return self.pool(x).flatten(1)

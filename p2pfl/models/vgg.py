@@ -86,9 +86,9 @@ class VGG11(PersonalModel):
         self.variant = variant
         self.classifier = nn.Linear(flat, num_classes)  # personal head, registered last
 
-    def forward(self, x: Tensor) -> Tensor:
+    def represent(self, x: Tensor) -> Tensor:
         x = self.features(self.pad(x)).flatten(1)
         if self.variant == "deprl":
             x = self.fc9(x).relu()
             x = self.fc10(x).relu()
-        return self.classifier(x)
+        return x
