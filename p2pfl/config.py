@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -275,23 +276,46 @@ _PHRASES = {
 }
 
 
+def _inner_model(ann: Any) -> type[BaseModel] | None:
+    """The BaseModel inside an annotation such as ``Section``, ``list[Entry] | None``."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    for arg in typing.get_args(ann):
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """Field names of the section at ``loc`` (for 'unknown key' messages)."""
     for part in loc:
+        if isinstance(part, int):
+            continue  # a list index: same model
         fld = model.model_fields.get(str(part))
-        ann = getattr(fld, "annotation", None) if fld else None
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        else:
+        inner = _inner_model(fld.annotation) if fld else None
+        if inner is None:
             break
+        model = inner
     return list(model.model_fields)
+
+
+def dotted(loc: tuple[Any, ...], prefix: str = "") -> str:
+    """('peers', 0, 'id') -> 'peers[0].id'."""
+    out = prefix
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif str(part) not in ("", "function-after[_device(), str]"):
+            out = f"{out}.{part}" if out else str(part)
+    return out
 
 
 def from_validation_error(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> ConfigError:
     """The first pydantic error as one ConfigError line naming the dotted key."""
     err = exc.errors(include_url=False)[0]
     loc = tuple(err["loc"])
-    key = ".".join(str(p) for p in (prefix, *loc) if p != "")
+    key = dotted(loc, prefix)
     typ, ctx = err["type"], err.get("ctx") or {}
     got = err.get("input")
     shown = "" if typ == "missing" else f", got {shorten(repr(got), 60)}"

@@ -22,11 +22,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import networkx as nx
 import numpy as np
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from p2pfl.badinput import BadInput
 from p2pfl.yamlsafe import YamlLimits, load_yaml_file
@@ -56,9 +57,7 @@ __all__ = [
 WEIGHT_KINDS = ("metropolis", "uniform", "explicit")
 
 _TOP_KEYS = ("name", "directed", "peers", "edges", "weights", "schedule")
-_PEER_KEYS = ("id", "address")
 _WEIGHT_KEYS = ("kind", "matrix")
-_SCHEDULE_KEYS = ("kind", "k")
 
 # Peer ids end up in certificate names, file names and log lines: keep them boring.
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -620,63 +619,56 @@ def parse_topology(data: Mapping[str, Any], source: str = "<dict>") -> Topology:
         raise e.located(source) from None
 
 
+class _Entry(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _PeerEntry(_Entry):
+    id: str
+    address: str
+
+
+class _ScheduleEntry(_Entry):
+    kind: str
+    k: int
+
+
+class TopologyFile(_Entry):
+    """The typed schema of a topology file (field types and unknown keys); the graph rules
+    (ids, addresses, edges, connectivity, weights) are checked by `Topology` itself."""
+
+    name: str | None = None
+    directed: bool = False
+    peers: list[_PeerEntry] | None = None
+    edges: list[Annotated[list[str], Field(min_length=2, max_length=2)]] | None = None
+    weights: Any = None  # a kind name, or {kind: explicit, matrix: ...}: checked below
+    schedule: _ScheduleEntry | None = None
+
+
 def _parse(data: Any, source: str) -> Topology:
     if not isinstance(data, Mapping):
         raise TopologyError(
             f"a topology file is a mapping with keys {', '.join(_TOP_KEYS)}; got {type(data).__name__}"
         )
-    _check_keys("topology", data, _TOP_KEYS)
+    try:
+        f = TopologyFile.model_validate(dict(data))
+    except ValidationError as exc:
+        from p2pfl.config import from_validation_error
 
-    name = data.get("name")
+        err = from_validation_error(exc, TopologyFile)
+        raise TopologyError(err.problem, key=err.key, allowed=err.allowed, hint=err.hint) from None
+
+    name = f.name
     if name is None:
         name = Path(source).stem if source and not source.startswith("<") else "topology"
-    if not isinstance(name, str) or not name:
-        raise TopologyError(f"name must be a non-empty string, got {name!r}")
-
-    directed = data.get("directed", False)
-    if not isinstance(directed, bool):
-        raise TopologyError(f"directed must be true or false, got {directed!r}")
-
-    raw_peers = data.get("peers")
-    if raw_peers is None or (isinstance(raw_peers, list) and not raw_peers):
+    if not name:
+        raise TopologyError("name must be a non-empty string", key="name")
+    directed = f.directed
+    if not f.peers:
         raise TopologyError("no peers: 'peers' must list at least one {id, address}")
-    if not isinstance(raw_peers, list):
-        raise TopologyError("peers must be a list of {id, address} mappings")
-    peers: list[Peer] = []
-    for i, rp in enumerate(raw_peers):
-        if not isinstance(rp, Mapping):
-            raise TopologyError(f"peer #{i}: expected a mapping {{id, address}}, got {rp!r}")
-        _check_keys(f"peer #{i}", rp, _PEER_KEYS)
-        for key in _PEER_KEYS:
-            if key not in rp:
-                raise TopologyError(f"peer #{i}: missing {key!r}")
-        pid, addr = rp["id"], rp["address"]
-        if not isinstance(pid, str):
-            raise TopologyError(f"peer #{i}: id must be a string, got {pid!r} (quote it in YAML)")
-        if not isinstance(addr, str):
-            raise TopologyError(f"peer {pid!r}: address must be a string 'host:port', got {addr!r}")
-        peers.append(Peer(id=pid, address=addr))
-
-    raw_edges = data.get("edges")
-    if raw_edges is None:
-        raw_edges = []
-    if not isinstance(raw_edges, list):
-        raise TopologyError("edges must be a list of [src, dst] pairs")
-    edges: list[tuple[str, str]] = []
-    for e in raw_edges:
-        if not isinstance(e, list | tuple) or len(e) != 2 or not all(isinstance(x, str) for x in e):
-            raise TopologyError(f"edge {e!r}: an edge is a pair of peer ids [src, dst]")
-        edges.append((e[0], e[1]))
-
-    raw_sched = data.get("schedule")
-    schedule: Schedule | None = None
-    if raw_sched is not None:
-        if not isinstance(raw_sched, Mapping):
-            raise TopologyError("schedule must be a mapping {kind: random_pull, k: K}")
-        _check_keys("schedule", raw_sched, _SCHEDULE_KEYS)
-        if "kind" not in raw_sched or "k" not in raw_sched:
-            raise TopologyError("schedule needs both 'kind' and 'k'")
-        schedule = Schedule(kind=raw_sched["kind"], k=raw_sched["k"])
+    peers = [Peer(id=p.id, address=p.address) for p in f.peers]
+    edges: list[tuple[str, str]] = [(e[0], e[1]) for e in f.edges or []]
+    schedule = None if f.schedule is None else Schedule(kind=f.schedule.kind, k=f.schedule.k)
 
     raw_w = data.get("weights")
     weights: str | ExplicitWeights
