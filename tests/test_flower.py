@@ -19,6 +19,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
 from p2pfl.algorithms import TrainContext
+from p2pfl.badinput import BadInput
 from p2pfl.config import ExperimentConfig, load_config
 from p2pfl.experiment import Experiment
 from p2pfl.flower.baselines import (
@@ -153,9 +154,9 @@ def test_fedavg_averages_the_whole_model_and_baselines_check_the_local_rule(fedp
     reply = peers.train(_train_message(initial_arrays(exp, "all"), 1), context)
     assert list(record_of(reply.content, "arrays", ArrayRecord)) == [s.name for s in exp.layout.specs]
     assert STATE_PERSONAL not in context.state.array_records  # FedAvg has no personal part
-    with pytest.raises(ValueError, match="fedrep: algorithm.name 'dfedavg' is not a fedrep local rule"):
+    with pytest.raises(BadInput, match="algorithm.name: 'dfedavg' is not a fedrep local rule; allowed: deprl"):
         baseline_of("fedrep", "dfedavg")
-    with pytest.raises(ValueError, match="unknown 'fedx'"):
+    with pytest.raises(BadInput, match="unknown baseline 'fedx'; allowed: fedavg, fedper, fedrep"):
         baseline_of("fedx", "dfedavg")
     assert baseline_of("fedrep", "deprl").scope == "shared"
 
@@ -179,7 +180,8 @@ def test_flower_command_writes_the_run_folder(fedper: FedPerRun, tmp_path: Path)
     assert [(r["acc"], r["loss"]) for r in _records(out)] == [(r["acc"], r["loss"]) for r in _records(fedper.run)]
     bad = CliRunner().invoke(cli, ["flower", "--config", str(fedper.cfg_path), "--out", str(tmp_path / "bad"),
                                    "--baseline", "fedrep", "--runtime", "in-process"])
-    assert bad.exit_code == 1 and "not a fedrep local rule" in bad.output
+    assert isinstance(bad.exception, BadInput) and "not a fedrep local rule" in str(bad.exception)  # exit 2 in main
+    assert not (tmp_path / "bad").exists()  # refused before anything was written
 
 
 @pytest.mark.timeout(600)

@@ -48,13 +48,13 @@ def _config(run_config: dict[str, Any]) -> Any:
 
 
 def _baseline_peers(context: Context) -> Any:
-    from p2pfl.flower.baselines import BaselinePeers, portable_config
+    from p2pfl.flower.baselines import baseline_peers, portable_config
 
     rc = dict(context.run_config)
     key = (str(rc.get("config")), str(rc.get("baseline", "fedper")), int(rc.get("rounds", 0) or 0))
     with _lock:
         if key not in _peers:
-            _peers[key] = BaselinePeers(portable_config(_config(rc)), key[1])
+            _peers[key] = baseline_peers(portable_config(_config(rc)), key[1])
         return _peers[key]
 
 

@@ -44,6 +44,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from p2pfl.algorithms import Algorithm, PeerState, TrainContext
+from p2pfl.badinput import BadInput, shorten
 from p2pfl.config import ExperimentConfig, parse_config
 from p2pfl.experiment import Experiment, peer_seed
 from p2pfl.flower.records import (
@@ -95,11 +96,11 @@ class FlowerPeerError(RuntimeError):
 def baseline_of(name: str, algorithm: str) -> Baseline:
     """The baseline ``name``, refused unless the config's algorithm has its kind of local rule."""
     if name not in BASELINES:
-        raise ValueError(f"baseline: unknown {name!r} (allowed: {', '.join(BASELINES)})")
+        raise BadInput(f"unknown baseline {shorten(repr(name))}", source="--baseline", allowed=list(BASELINES))
     b = BASELINES[name]
     if algorithm not in b.rules:
-        raise ValueError(f"baseline {name}: algorithm.name {algorithm!r} is not a {name} local rule "
-                         f"(allowed: {', '.join(b.rules)})")
+        raise BadInput(f"{algorithm!r} is not a {name} local rule", source=f"--baseline {name}",
+                       key="algorithm.name", allowed=b.rules)
     return b
 
 
@@ -358,9 +359,14 @@ class AppBaselinePeers(BaselinePeers):
         return Message(out, reply_to=msg)
 
 
+def baseline_peers(raw: dict[str, Any], baseline: str) -> BaselinePeers:
+    """The handlers for config ``raw``: its own ClientApp's (``app:``) or the built-in algorithm's."""
+    return (AppBaselinePeers if raw.get("app") else BaselinePeers)(raw, baseline)
+
+
 def make_client_app(raw: dict[str, Any], baseline: str) -> ClientApp:
     """A Flower ClientApp for every peer of the config ``raw`` (which peer: from the node's Context)."""
-    peers = (AppBaselinePeers if raw.get("app") else BaselinePeers)(raw, baseline)
+    peers = baseline_peers(raw, baseline)
     app = ClientApp()
     app.train()(peers.train)
     app.evaluate()(peers.evaluate)
@@ -511,7 +517,8 @@ def run_baseline(cfg: ExperimentConfig, out_dir: str | Path, baseline: str = "fe
     is installed). ``summary.json`` records the one that ran.
     """
     if runtime not in ("auto", "ray", "in-process"):
-        raise ValueError(f"runtime: {runtime!r} is not auto, ray or in-process")
+        raise BadInput(f"unknown runtime {shorten(repr(runtime))}", source="--runtime",
+                       allowed=("auto", "ray", "in-process"))
     b = baseline_of(baseline, cfg.algorithm_name)
     if runtime == "auto":
         runtime = "ray" if ray_available() else "in-process"

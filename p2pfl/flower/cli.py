@@ -21,6 +21,7 @@ def flower_command(config: ConfigOpt, rounds: Annotated[int | None, typer.Option
                    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no summary table")] = False,
                    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
     """Centralized baseline: CONFIG's peers as Flower nodes under Flower's FedAvg (same data, models, local rule)."""
+    from p2pfl.badinput import BadInput
     from p2pfl.cli import _load, _setup_logging, default_run_dir, print_summary
     from p2pfl.flower.baselines import run_baseline
 
@@ -29,6 +30,8 @@ def flower_command(config: ConfigOpt, rounds: Annotated[int | None, typer.Option
     run_dir = out or default_run_dir(cfg.name, f"flower-{baseline}-{cfg.algorithm_name}")
     try:
         summary = run_baseline(cfg, run_dir, baseline, runtime=runtime, verbose=verbose)
+    except BadInput:
+        raise  # one line, exit 2 (p2pfl.cli.main)
     except (ValueError, RuntimeError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
