@@ -54,11 +54,13 @@ from p2pfl.flower.records import (
     array_record,
     instruction,
     load_arrays,
+    message_metrics,
     number,
     record_bytes,
     record_of,
-    scalar_metrics,
     tensor_of,
+    train_columns,
+    with_acc_loss,
 )
 from p2pfl.modelpool import ModelPool
 from p2pfl.peerapp import PeerApp
@@ -168,10 +170,9 @@ class BaselinePeers:
             self._cache["peers"] = {}
         return self._cache["exp"]
 
-    def peer_of(self, context: Context) -> _Peer:
-        """Which peer a node is: ``node_config["peer-id"]``, else its ``partition-id``."""
-        exp = self.exp
-        ids = exp.topology.ids
+    def peer_index(self, context: Context) -> tuple[str, int]:
+        """Which peer a node is: ``node_config["peer-id"]``, else its ``partition-id`` (one node per peer)."""
+        ids = self.exp.topology.ids
         cfg = context.node_config
         if "peer-id" in cfg:
             pid = str(cfg["peer-id"])
@@ -180,6 +181,11 @@ class BaselinePeers:
             if n != len(ids):
                 raise ValueError(f"{n} nodes for a topology of {len(ids)} peers: run one node per peer")
             pid = ids[int(cfg["partition-id"])]
+        return pid, self.exp.topology.index(pid)
+
+    def peer_of(self, context: Context) -> _Peer:
+        exp = self.exp
+        pid, _ = self.peer_index(context)
         peers: dict[str, _Peer] = self._cache["peers"]
         if pid not in peers:
             i = exp.topology.index(pid)
@@ -299,24 +305,12 @@ class AppBaselinePeers(BaselinePeers):
         return Context(run_id=context.run_id, node_id=context.node_id, node_config=cfg, state=context.state,
                        run_config=dict(exp.app_spec.config))
 
-    def _peer_index(self, context: Context) -> tuple[str, int]:
-        ids = self.exp.topology.ids
-        cfg = context.node_config
-        if "peer-id" in cfg:
-            pid = str(cfg["peer-id"])
-        else:
-            n = int(cfg.get("num-partitions", len(ids)))
-            if n != len(ids):
-                raise ValueError(f"{n} nodes for a topology of {len(ids)} peers: run one node per peer")
-            pid = ids[int(cfg["partition-id"])]
-        return pid, self.exp.topology.index(pid)
-
     def _forward(self, msg: Message, context: Context) -> tuple[Message, str]:
         from p2pfl.flower.clientapp import load_client_app
 
         exp = self.exp
         layout, dtypes = exp.layout, exp._app_init[2]
-        pid, index = self._peer_index(context)
+        pid, index = self.peer_index(context)
         flat = self._received(msg)
         if self._cache["scope"] == "shared":
             flat[layout.num_shared:].copy_(self.personal_head(context).to(flat.device))
@@ -384,13 +378,6 @@ def initial_arrays(exp: Experiment, scope: str) -> ArrayRecord:
 Observer = Callable[[dict[str, Any]], None]
 
 
-def _scalars(msg: Message) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for rec in msg.content.metric_records.values():
-        out.update(scalar_metrics(rec))
-    return out
-
-
 def _peer_id(msg: Message) -> str:
     return str(record_of(msg.content, PEER_KEY, ConfigRecord)["peer-id"])
 
@@ -435,23 +422,16 @@ class RecordingFedAvg(FedAvg):
                                                                                          MetricRecord | None]:
         replies = self._sorted(replies, "train")
         for m in replies:
-            metrics = _scalars(m)
-            # Flower's ``num-examples`` is in both replies; the train one keeps its own column.
-            rec = {("train-num-examples" if k == "num-examples" else k): v for k, v in metrics.items()}
+            rec: dict[str, Any] = train_columns(message_metrics(m))
             rec.update(bytes_sent=record_bytes(m.content), bytes_recv=self.sent_bytes)
             self._train[_peer_id(m)] = rec
         return super().aggregate_train(server_round, replies)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        from p2pfl.flower.clientapp import ACC_NAMES, LOSS_NAMES
-
         replies = self._sorted(replies, "evaluate")
         for m in replies:
             pid = _peer_id(m)
-            metrics = _scalars(m)
-            rec: dict[str, Any] = {"round": server_round - 1, "peer": pid, **metrics,
-                                   "acc": next((metrics[k] for k in ACC_NAMES if k in metrics), None),
-                                   "loss": next((metrics[k] for k in LOSS_NAMES if k in metrics), None),
+            rec: dict[str, Any] = {"round": server_round - 1, "peer": pid, **with_acc_loss(message_metrics(m)),
                                    "consensus_dist": 0.0, "missing": []}
             tr = self._train.pop(pid, {"bytes_sent": 0, "bytes_recv": 0})
             rec.update(tr)

@@ -42,17 +42,16 @@ from p2pfl.flower.records import (
     instruction,
     is_state_tensor,
     load_arrays,
-    scalar_metrics,
+    message_metrics,
     state_to_tensors,
     tensors_to_state,
+    train_columns,
+    with_acc_loss,
 )
 from p2pfl.models.layout import ParamLayout, TensorSpec
 
 NAME = "clientapp"  # the algorithm name a ClientApp run records
 PEER_NODE_ID = 0  # src of the messages a peer hands its own app (there is no server)
-# Where an app's evaluate metrics fill the run folder's ``acc``/``loss`` columns (first match wins).
-ACC_NAMES = ("acc", "accuracy", "eval_acc", "eval_accuracy", "eval-acc", "eval-accuracy")
-LOSS_NAMES = ("loss", "eval_loss", "eval-loss")
 
 
 class AppError(ValueError):
@@ -255,26 +254,14 @@ class ClientAppAlgorithm(Algorithm):
             raise AppError(f"peer {self.peer_id}: a train reply must hold one ArrayRecord, it holds {len(recs)}")
         load_arrays(self.layout.specs, recs[0], state.params, f"peer {self.peer_id}: train reply")
         self._save(state)
-        # Flower's ``num-examples`` is in both replies; the train one keeps its own column.
-        return {("train-num-examples" if k == "num-examples" else k): v for k, v in _metrics(reply).items()}
+        return train_columns(message_metrics(reply))
 
     def evaluate(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """Send the app an evaluate Message; its metrics, plus ``acc``/``loss`` for the run folder's columns."""
         reply = self.call(MessageType.EVALUATE, array_record(tensors, self.dtypes), self._round)
         if self._state is not None:
             self._save(self._state)
-        metrics = _metrics(reply)
-        out = dict(metrics)
-        out["acc"] = next((metrics[k] for k in ACC_NAMES if k in metrics), None)  # type: ignore[assignment]
-        out["loss"] = next((metrics[k] for k in LOSS_NAMES if k in metrics), None)  # type: ignore[assignment]
-        return out
-
-
-def _metrics(reply: Message) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for rec in reply.content.metric_records.values():
-        out.update(scalar_metrics(rec))
-    return out
+        return with_acc_loss(message_metrics(reply))  # type: ignore[return-value]
 
 
 @dataclass

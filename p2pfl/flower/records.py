@@ -29,6 +29,9 @@ from p2pfl.models.layout import TensorSpec
 ARRAYS_KEY = "arrays"  # what Flower's strategies send and quickstart apps read
 CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
+# Where a reply's metrics fill the run folder's ``acc``/``loss`` columns (first match wins).
+ACC_NAMES = ("acc", "accuracy", "eval_acc", "eval_accuracy", "eval-acc", "eval-accuracy")
+LOSS_NAMES = ("loss", "eval_loss", "eval-loss")
 TTL_S = 43_200.0  # Flower's default message time-to-live (12 h); a peer's own messages never wait that long
 
 _R = TypeVar("_R", ArrayRecord, ConfigRecord, MetricRecord)
@@ -72,6 +75,30 @@ def number(rec: ConfigRecord | MetricRecord, key: str) -> float:
 def scalar_metrics(rec: MetricRecord) -> dict[str, float]:
     """The scalar entries of a MetricRecord (lists are skipped: a metrics line holds scalars)."""
     return {k: float(v) for k, v in rec.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def message_metrics(msg: Message) -> dict[str, float]:
+    """Every scalar metric of a reply, over all its MetricRecords."""
+    out: dict[str, float] = {}
+    for rec in msg.content.metric_records.values():
+        out.update(scalar_metrics(rec))
+    return out
+
+
+def with_acc_loss(metrics: dict[str, float]) -> dict[str, float | None]:
+    """``metrics`` plus the run folder's ``acc``/``loss`` columns, taken from the first usual name found.
+
+    Apps name them differently (``accuracy``, ``eval_acc``, ...); summaries and plots read ``acc``.
+    """
+    out: dict[str, float | None] = dict(metrics)
+    out["acc"] = next((metrics[k] for k in ACC_NAMES if k in metrics), None)
+    out["loss"] = next((metrics[k] for k in LOSS_NAMES if k in metrics), None)
+    return out
+
+
+def train_columns(metrics: dict[str, float]) -> dict[str, float]:
+    """Train metrics as recorded: Flower's ``num-examples`` is in both replies, the train one is renamed."""
+    return {("train-num-examples" if k == "num-examples" else k): v for k, v in metrics.items()}
 
 
 def load_arrays(specs: Sequence[TensorSpec], record: ArrayRecord, flat: torch.Tensor, what: str) -> None:
