@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from functools import lru_cache
 
 __all__ = ["AddressError", "canonical_address", "is_loopback_host", "listen_address", "split_address"]
 
@@ -28,12 +29,17 @@ def split_address(address: str) -> tuple[str, int]:
     host, _, port_s = address.rpartition(":")
     if not port_s.isdigit() or len(port_s) > 5 or not 1 <= int(port_s) <= 65535:
         raise AddressError("port must be 1-65535")
+    return _check_host(host), int(port_s)
+
+
+@lru_cache(maxsize=4096)  # a large topology repeats a few hosts on many ports
+def _check_host(host: str) -> str:
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
             raise AddressError(f"{host} is not an IPv6 address") from None
-        return host[1:-1], int(port_s)
+        return host[1:-1]
     if ":" in host:
         raise AddressError("an IPv6 host must be in brackets: '[::1]:port'")
     if re.fullmatch(r"[0-9.]+", host):
@@ -41,11 +47,11 @@ def split_address(address: str) -> tuple[str, int]:
             ipaddress.IPv4Address(host)
         except ValueError:
             raise AddressError(f"{host} is not an IPv4 address") from None
-        return host, int(port_s)
+        return host
     name = host[:-1] if host.endswith(".") else host
     if not name or len(name) > 253 or not all(_LABEL.match(label) for label in name.split(".")):
         raise AddressError(f"{host!r} is not a valid host name")
-    return host, int(port_s)
+    return host
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -61,15 +67,18 @@ def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 def canonical_address(address: str) -> str:
     """One spelling per socket: lower-case names, ``localhost`` -> 127.0.0.1, compressed IPv6, no v4-mapping."""
     host, port = split_address(address)
+    return f"{_canonical_host(host)}:{port}"
+
+
+@lru_cache(maxsize=4096)
+def _canonical_host(host: str) -> str:
     ip = _ip(host)
     if ip is None:
         name = host.lower().rstrip(".")
-        if name == "localhost":
-            return f"127.0.0.1:{port}"
-        return f"{name}:{port}"
+        return "127.0.0.1" if name == "localhost" else name
     if ip.is_unspecified:
         raise AddressError(f"{host} means 'every interface' and cannot be dialed; give the peer's own address")
-    return f"[{ip.compressed}]:{port}" if ip.version == 6 else f"{ip.compressed}:{port}"
+    return f"[{ip.compressed}]" if ip.version == 6 else ip.compressed
 
 
 def is_loopback_host(host: str) -> bool:

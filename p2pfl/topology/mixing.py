@@ -123,6 +123,9 @@ def _self_weights(n: int, rows: Sequence[tuple[Sequence[int], np.ndarray]]) -> n
     buf = np.zeros(n, dtype=np.float64)
     out = np.empty(n, dtype=np.float64)
     for i, (cols, vals) in enumerate(rows):
+        if len(vals) <= 2:  # a + b (+ zeros) is the same in any order: no O(n) buffer needed
+            out[i] = 1.0 - (float(vals[0]) + float(vals[1]) if len(vals) == 2 else float(sum(vals)))
+            continue
         buf[cols] = vals
         out[i] = 1.0 - buf.sum()
         buf[cols] = 0.0
