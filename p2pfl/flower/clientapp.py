@@ -48,7 +48,7 @@ from p2pfl.flower.records import (
     train_columns,
     with_acc_loss,
 )
-from p2pfl.models.layout import ParamLayout, TensorSpec
+from p2pfl.models.layout import ParamLayout
 
 NAME = "clientapp"  # the algorithm name a ClientApp run records
 PEER_NODE_ID = 0  # src of the messages a peer hands its own app (there is no server)
@@ -145,15 +145,8 @@ def app_layout(state: Mapping[str, torch.Tensor], personal: Sequence[str]) -> tu
     own = [k for k in state if is_personal[k]]
     if not shared:
         raise AppError("sharing.personal: every tensor is personal; nothing would be gossiped")
-    specs: list[TensorSpec] = []
-    offset = 0
-    for name in [*shared, *own]:
-        t = state[name]
-        specs.append(TensorSpec(name, tuple(t.shape), offset, t.numel()))
-        offset += t.numel()
-    num_shared = sum(s.numel for s in specs[: len(shared)])
-    layout = ParamLayout(tuple(specs), num_shared, tuple(shared), tuple(own))
-    flat = torch.cat([state[s.name].reshape(-1).to(torch.float32) for s in specs]) if specs else torch.empty(0)
+    layout = ParamLayout.from_shapes({k: tuple(v.shape) for k, v in state.items()}, shared, own)
+    flat = torch.cat([state[s.name].reshape(-1).to(torch.float32) for s in layout.specs])
     return layout, flat, dtypes
 
 

@@ -9,7 +9,8 @@ swaps a peer in without copying.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,12 +46,18 @@ class ParamLayout:
             raise ValueError(f"parameters neither shared nor personal: {missing}")
         if any(True for _ in model.buffers()):
             raise ValueError("models with buffers (e.g. BatchNorm running stats) are not supported")
+        return cls.from_shapes({n: tuple(p.shape) for n, p in params.items()}, shared, personal)
+
+    @classmethod
+    def from_shapes(cls, shapes: Mapping[str, tuple[int, ...]], shared: Sequence[str],
+                    personal: Sequence[str]) -> ParamLayout:
+        """The layout of named tensors of these shapes: ``shared`` first, then ``personal``, each in the given order."""
         specs: list[TensorSpec] = []
         offset = 0
         for name in [*shared, *personal]:
-            p = params[name]
-            specs.append(TensorSpec(name, tuple(p.shape), offset, p.numel()))
-            offset += p.numel()
+            numel = math.prod(shapes[name])
+            specs.append(TensorSpec(name, tuple(shapes[name]), offset, numel))
+            offset += numel
         num_shared = sum(s.numel for s in specs[: len(shared)])
         return cls(tuple(specs), num_shared, tuple(shared), tuple(personal))
 
