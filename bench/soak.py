@@ -137,28 +137,44 @@ def run(cfg: Path, ids: list[str], out: Path, certs: Path, faults: list[Fault], 
     return Run(wall, {pid: read(out, pid) for pid in ids}, failed)
 
 
-def draw_faults(rng: random.Random, ids: list[str], n: int, rounds: int, timeout: float) -> list[Fault]:
-    """``n`` faults at random rounds (in the first three quarters of the run), one slow peer among them.
+def draw_faults(rng: random.Random, ids: list[str], n: int, rounds: int, timeout: float,
+                down: tuple[float, float] = (0.2, 1.5)) -> list[Fault]:
+    """``n`` faults at random rounds (in the first half of the run), one slow peer among them.
 
-    A kill or stall lasts 0.2 to 1.5 round deadlines: sometimes the neighbours wait for the peer,
-    sometimes they give up on it and it has to catch up.
+    A kill or stall lasts ``down`` round deadlines (default 0.2 to 1.5: sometimes the neighbours
+    wait for the peer, sometimes they give up on it and it has to catch up; a restart also takes
+    the process's start-up time).
     """
     faults = [Fault("slow", rng.choice(ids), 0, factor=2.0)]
     for _ in range(max(0, n - 1)):
         kind = rng.choice(["kill9", "kill9", "stall"])
-        faults.append(Fault(kind, rng.choice(ids), rng.randint(1, max(1, rounds * 3 // 4)),
-                            down_s=rng.uniform(0.2, 1.5) * timeout))
+        faults.append(Fault(kind, rng.choice(ids), rng.randint(1, max(1, rounds // 2)),
+                            down_s=rng.uniform(*down) * timeout))
     return faults
 
 
+def mass_errors(recs: dict[str, list[dict[str, Any]]], n: int) -> dict[int, float]:
+    """|sum_i mu_i - n| per round boundary, over the rounds every peer recorded (push mode only).
+
+    A peer that skipped rounds (fast-forward) still holds its mass: its last recorded mu counts.
+    """
+    by_peer = {pid: {int(r["round"]): float(r["mu"]) for r in rs if "mu" in r} for pid, rs in recs.items()}
+    if not any(by_peer.values()):
+        return {}
+    out: dict[int, float] = {}
+    last = max(max(v) for v in by_peer.values() if v)
+    for k in range(last + 1):
+        if not any(k in v for v in by_peer.values()):
+            continue
+        held = [v[max(x for x in v if x <= k)] for v in by_peer.values() if any(x <= k for x in v)]
+        if len(held) == n:
+            out[k] = abs(sum(held) - n)
+    return out
+
+
 def mass_error(recs: dict[str, list[dict[str, Any]]], n: int) -> float | None:
-    by_round: dict[int, list[float]] = {}
-    for rs in recs.values():
-        for r in rs:
-            if "mu" in r:
-                by_round.setdefault(int(r["round"]), []).append(float(r["mu"]))
-    full = [sum(v) for v in by_round.values() if len(v) == n]
-    return max((abs(s - n) for s in full), default=None)
+    errs = mass_errors(recs, n)
+    return max(errs.values()) if errs else None
 
 
 def mixed_without_after_rejoin(recs: dict[str, list[dict[str, Any]]], faults: list[Fault]) -> int:
@@ -203,10 +219,12 @@ def summarize(runs: Run, clean: Run, faults: list[Fault], n: int, rounds: int) -
         "failed_peers": runs.failed,
         "mixed_without_after_rejoin": mixed_without_after_rejoin(runs.recs, faults),
         "push_sum_mass_error": mass_error(runs.recs, n),
+        "push_sum_mass_error_rounds": sorted(k for k, e in mass_errors(runs.recs, n).items() if e > 1e-9),
         "push_sum_mass_error_clean": mass_error(clean.recs, n),
         "nan_count": nan,
-        "s_per_round": round(spr(runs), 3), "s_per_round_clean": round(spr(clean), 3),
-        "slowdown_vs_clean": round(spr(runs) / spr(clean), 2),
+        "s_per_round": round(spr(runs), 3),
+        "s_per_round_clean": None if math.isnan(clean.wall_s) else round(spr(clean), 3),
+        "slowdown_vs_clean": None if math.isnan(clean.wall_s) else round(spr(runs) / spr(clean), 2),
         "faults": [{"kind": f.kind, "peer": f.peer, "at_round": f.at_round, "down_s": round(f.down_s, 1),
                     "factor": f.factor, "fault_round": f.fault_round, "rejoin_round": f.rejoin_round}
                    for f in faults],
@@ -226,6 +244,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--base-port", type=int, default=None)
     ap.add_argument("--limit", type=float, default=900.0, help="give up after this many seconds per run")
     ap.add_argument("--out", type=Path, default=None, help="keep the run folders here")
+    ap.add_argument("--down", type=float, nargs=2, default=(0.2, 1.5), metavar=("MIN", "MAX"),
+                    help="how long a killed/stalled peer stays down, in round deadlines")
+    ap.add_argument("--no-clean", action="store_true", help="skip the fault-free run (no s/round ratio)")
     args = ap.parse_args(argv)
     if args.base_port is None:
         args.base_port = random.Random(os.getpid()).randint(21000, 59000)
@@ -236,8 +257,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ids = [f"p{i}" for i in range(args.peers)]
         certs = tmp / "certs"
         make_certs(ids, certs)
-        clean = run(write_config(tmp, args, {}), ids, tmp / "clean", certs, [], args.limit)
-        faults = draw_faults(rng, ids, args.faults, args.rounds, args.timeout)
+        clean = (Run(math.nan, {}) if args.no_clean
+                 else run(write_config(tmp, args, {}), ids, tmp / "clean", certs, [], args.limit))
+        faults = draw_faults(rng, ids, args.faults, args.rounds, args.timeout, tuple(args.down))
         slow = {f.peer: f.factor for f in faults if f.kind == "slow"}
         faulty = run(write_config(tmp, args, slow), ids, tmp / "faulty", certs, faults, args.limit)
         out = summarize(faulty, clean, faults, args.peers, args.rounds)

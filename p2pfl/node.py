@@ -26,6 +26,7 @@ from p2pfl.models.layout import ParamLayout
 from p2pfl.peerapp import PeerApp
 from p2pfl.topology import MixingPlan, Topology
 from p2pfl.transport.base import Transport
+from p2pfl.wire.pipeline import PayloadPipeline
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Node:
                  record: Recorder, eval_every: int = 1, checkpoint_path: Path | None = None,
                  checkpoint_every: int = 1, stop: threading.Event | None = None,
                  on_round: Callable[[int], None] | None = None, quorum: float = 0.0,
-                 protocol: Protocol | None = None) -> None:
+                 protocol: Protocol | None = None, pipeline: PayloadPipeline | None = None) -> None:
         self.peer_id = peer_id
         self.topology = topology
         self.topology_hash = topology.hash()
@@ -86,6 +87,7 @@ class Node:
         self.on_round = on_round
         self.quorum = quorum
         self.protocol = protocol or Protocol()
+        self.pipeline = pipeline if pipeline is not None and pipeline.needed else None  # faults, compression
         self.resumed_record: dict[str, Any] | None = None  # the last record stored with the checkpoint
         self._fast_forward_from: int | None = None
         self._resumed_at = -1
@@ -136,7 +138,8 @@ class Node:
         peer back in step at once instead of one deadline per round behind.
         """
         asked = self.transport.requested_rounds()
-        if not asked or (self.algorithm.mode == "push" and self.state.round == self._resumed_at):
+        if not asked or (self.algorithm.mode == "push"
+                         and self.state.round in (self._resumed_at, self.transport.resumed_round())):
             return  # push-sum replays its resumed round first: it may recover a push lost in the restart
         plan = self.topology.plan(self.peer_id, self.state.round, 0, seed=self.seed, mode=self.algorithm.mode)
         needs_me = plan.out_weights if plan.mode == "pull" else plan.in_weights
@@ -179,12 +182,17 @@ class Node:
             # A snapshot: the published payload must not change when this peer mixes.
             msg = Message(self.peer_id, r, step, self.topology_hash, self.algorithm.wire_specs(),
                           flat.detach().clone(), dict(scalars))
+            # What crosses the wire (an attacker's fault, compression); `msg` stays the self term.
+            wire_msg = self.pipeline.send(msg, self.state.extra) if self.pipeline else msg
             if self.protocol.asynchronous:
-                res = self.transport.exchange_latest(msg, plan, self.protocol.max_staleness, self.protocol.probe_s)
+                res = self.transport.exchange_latest(wire_msg, plan, self.protocol.max_staleness,
+                                                     self.protocol.probe_s)
                 plan = staleness_plan(plan, {j: r - m.round for j, m in res.received.items()},
                                       self.protocol.staleness_exp)
             else:
-                res = self.transport.exchange(msg, plan, self.deadline_s)
+                res = self.transport.exchange(wire_msg, plan, self.deadline_s)
+            if self.pipeline:
+                res.received = self.pipeline.receive(res.received, msg)
             if res.undelivered and plan.mode == "push":
                 # Push-sum: a share the receiver did not mix stays with the sender (no mass is lost).
                 kept = sum(plan.out_weights[k] for k in res.undelivered)

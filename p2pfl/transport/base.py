@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from p2pfl.messages import Message
 from p2pfl.topology import MixingPlan
+from p2pfl.wire.compress import WireFormat
 
 
 @dataclass
@@ -31,6 +32,17 @@ class TransportError(RuntimeError):
 
 
 class Transport(ABC):
+    #: ``wire.*``: how payloads are encoded; receivers refuse any other (set by ``configure_wire``).
+    wire_format: WireFormat = WireFormat()
+    #: Bytes per data chunk (``network.chunk_kb``), for transports that count bytes by the codec's sizes.
+    chunk_bytes: int = 1 << 20
+
+    def configure_wire(self, fmt: WireFormat, chunk_bytes: int | None = None) -> None:
+        """Set the run's wire format (and chunk size) before the first exchange."""
+        self.wire_format = fmt
+        if chunk_bytes is not None:
+            self.chunk_bytes = int(chunk_bytes)
+
     @abstractmethod
     def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
         """Deliver ``message`` per ``plan`` and collect the in-neighbours' messages for the same (round, step)."""
@@ -40,6 +52,10 @@ class Transport(ABC):
         """Asynchronous gossip: publish ``message`` and return the freshest payload held from each
         in-neighbour (any round >= ``message.round - max_staleness``), without a round barrier."""
         raise NotImplementedError(f"{type(self).__name__} has no asynchronous mode")
+
+    def resumed_round(self) -> int:
+        """The round this peer restarted at, whose lost pushes it recovers first (-1: a fresh start)."""
+        return -1
 
     def requested_rounds(self) -> dict[str, int]:
         """Per neighbour, the highest round it asked this peer for since the last call (none known here)."""

@@ -44,6 +44,7 @@ from p2pfl.transport.grpc_service import (
 )
 from p2pfl.transport.limits import bounded
 from p2pfl.wire.codec import Decoder, EncodedPayload, encode_frames, parse_frame
+from p2pfl.wire.compress import WireFormat
 from p2pfl.wire.validate import Expectation, WireError
 
 __all__ = ["GrpcTransport", "bind_address", "start_grpc_peer"]
@@ -118,6 +119,7 @@ class GrpcTransport(Transport):
         self.scalar_keys = frozenset(scalar_keys)
         self.owns_server = owns_server
         self.chunk_bytes = int(network_cfg.chunk_kb) * 1024
+        self.wire_format = WireFormat()  # wire.*: what neighbours' payloads must be encoded as (configure_wire)
         self.max_bytes = int(network_cfg.max_message_mb) << 20
         if self.chunk_bytes < 1 or self.max_bytes < 1:
             raise ValueError("network.chunk_kb and network.max_message_mb must be positive")
@@ -139,8 +141,10 @@ class GrpcTransport(Transport):
         self._down: set[str] = set()  # neighbours noticed down: probed briefly, not waited for
         self.probe_s = float(network_cfg.probe_s)
         self._latest: dict[tuple[str, int], Message] = {}  # async: freshest payload held per (peer, step)
-        # A resumed peer (its server starts past round 0) recovers its first round's lost pushes.
-        self._resumed_round = server.round if server.round > 0 else -1
+        # A restarted peer (it has a checkpoint, or a pushes log from an earlier start) recovers the
+        # pushes of its first round that it had mixed and lost with its state.
+        restarted = server.round > 0 or (pushes_log is not None and pushes_log.exists())
+        self._resumed_round = server.round if restarted else -1
         self._pushes_log = pushes_log
         self._mixed_pushes = _load_pushes_log(pushes_log, server.round) if pushes_log is not None else set()
 
@@ -305,6 +309,7 @@ class GrpcTransport(Transport):
         exp = Expectation(
             specs=self.expected_specs, round=round, step=step, topology_hash=self.topology_hash,
             senders=frozenset((peer,)), scalar_keys=self.scalar_keys, max_bytes=self.max_bytes,
+            wire=self.wire_format,
         )
         nbytes = 0
         why = "deadline passed before the pull started"
@@ -486,6 +491,9 @@ class GrpcTransport(Transport):
     def requested_rounds(self) -> dict[str, int]:
         return self.server.requested_rounds()
 
+    def resumed_round(self) -> int:
+        return self._resumed_round
+
     def neighbour_rounds(self, timeout_s: float) -> dict[str, int]:
         """Status of every possible neighbour, in parallel, each bounded by ``timeout_s``; the reachable ones' rounds."""
         peers = sorted(self.topology.possible_in_neighbours(self.peer_id)
@@ -534,6 +542,11 @@ class GrpcTransport(Transport):
                             ",".join(sorted(left)), key[0], key[1])
         if self._pushes:
             futures.wait(self._pushes, timeout=max(0.0, deadline - time.monotonic()))
+
+    def configure_wire(self, fmt: WireFormat, chunk_bytes: int | None = None) -> None:
+        """The wire format for the neighbours' payloads this peer pulls and for the pushes its server takes."""
+        self.wire_format = fmt
+        self.server.wire_format = fmt
 
     def close(self) -> None:
         """Close channels and worker threads; stop the server too when this transport owns it."""
