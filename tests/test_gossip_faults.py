@@ -189,3 +189,30 @@ def test_soak_short_push_sum_under_random_faults(tmp_path: Path) -> None:
     for pid, done in res["rounds_completed"].items():
         assert done + res["rounds_skipped_by_fast_forward"][pid] == 8, (pid, res)
     assert res["push_sum_mass_error"] is not None and res["push_sum_mass_error"] < 1e-9, res
+
+
+def test_reconcile_metrics_after_a_kill_between_checkpoint_and_metrics(tmp_path: Path) -> None:
+    """The checkpoint (with the round's record) is written before the metrics line; on resume the metrics
+    file holds exactly the checkpointed rounds, once each, whatever instant the kill came."""
+    import json
+
+    from p2pfl.checkpoint import reconcile_metrics
+
+    path = tmp_path / "metrics-p0.jsonl"
+
+    def write(rounds: list[int], torn: bool = False) -> None:
+        text = "".join(json.dumps({"round": r, "peer": "p0"}) + "\n" for r in rounds)
+        path.write_text(text + ('{"round": 9, "pe' if torn else ""))
+
+    # killed after the checkpoint of round 4 (resumes at 5), before its metrics line: restored
+    write([0, 1, 2, 3], torn=True)
+    assert reconcile_metrics(path, 5, {"round": 4, "peer": "p0", "acc": 0.5}) == 5
+    assert [r["round"] for r in records(path)] == [0, 1, 2, 3, 4] and records(path)[-1]["acc"] == 0.5
+    # metrics ahead of the checkpoint (rounds redone after the restart) and a duplicate: dropped
+    write([0, 1, 1, 2, 3, 4, 5])
+    assert reconcile_metrics(path, 3, {"round": 2, "peer": "p0"}) == 3
+    assert [r["round"] for r in records(path)] == [0, 1, 2]
+    # nothing to repair: unchanged
+    write([0, 1])
+    assert reconcile_metrics(path, 2, {"round": 1, "peer": "p0"}) == 2
+    assert [r["round"] for r in records(path)] == [0, 1]
