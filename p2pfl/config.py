@@ -98,6 +98,33 @@ class CheckpointConfig(Section):
     every: Annotated[int, Field(ge=1, le=1_000_000)] = 1
 
 
+class MixingConfig(Section):
+    """How a peer combines what it received (docs/robust.md): plain weighted sum, or a robust rule."""
+
+    robust: Literal["none", "median", "trimmed_mean", "clipped"] = "none"
+    trim: Annotated[int, Field(ge=1, le=1000)] = 1  # trimmed_mean: inputs dropped at each end
+    clip_radius: Annotated[Number, Field(gt=0, le=1e12)] = 1.0  # clipped: L2 radius around the own model
+
+
+class ByzantineConfig(Section):
+    """An attacker (experiments only): ``peer`` sends ``kind``-corrupted payloads (p2pfl/faults.py)."""
+
+    peer: str
+    kind: Literal["noise", "sign_flip", "scaled"]
+    scale: Annotated[Number, Field(ge=-1e6, le=1e6)] = 1.0
+
+
+class FaultsConfig(Section):
+    byzantine: Annotated[list[ByzantineConfig], Field(max_length=4096)] = Field(default_factory=list)
+
+
+class WireConfig(Section):
+    """How payloads are encoded (p2pfl/wire/compress.py); every peer of a run must agree."""
+
+    compression: Literal["none", "fp16", "bf16", "topk"] = "none"
+    topk_ratio: Annotated[Number, Field(gt=0, le=1)] = 0.1  # topk: fraction of coordinates sent
+
+
 class _Named(BaseModel):
     """``model`` / ``algorithm``: a name plus free parameters (checked against the named thing)."""
 
@@ -120,6 +147,9 @@ class ConfigFile(Section):
     simulation: SimulationConfig = Field(default_factory=SimulationConfig)
     eval_every: Annotated[int, Field(ge=1, le=10_000_000)] = 1
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    mixing: MixingConfig = Field(default_factory=MixingConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    wire: WireConfig = Field(default_factory=WireConfig)
 
     @field_validator("device")
     @classmethod
@@ -175,6 +205,9 @@ class ExperimentConfig:
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     notes: tuple[str, ...] = ()  # one-line notices for the user (e.g. hyperparameters dropped by --set)
+    mixing: MixingConfig = field(default_factory=MixingConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
 
     @property
     def algorithm_name(self) -> str:
@@ -377,12 +410,14 @@ def parse_config(data: dict[str, Any], base: Path | None = None, *, check_files:
     raw["topology"] = resolve_path(parsed.topology, base)
     if check_files:
         _check_topology(raw["topology"])
+    _check_robust_and_wire(parsed, algo, raw["topology"], check_files)
     ck = parsed.checkpoint
     return ExperimentConfig(
         name=parsed.name, seed=parsed.seed, rounds=parsed.rounds, device=parsed.device,
         topology=raw["topology"], data=parsed.data, model=dict(parsed.model.model_dump()), algorithm=algo,
         network=parsed.network, workers=parsed.simulation.workers, eval_every=parsed.eval_every,
         checkpoint_every=ck.every if ck.enabled else 0, raw=raw, simulation=parsed.simulation, checkpoint=ck,
+        mixing=parsed.mixing, faults=parsed.faults, wire=parsed.wire,
     )
 
 
@@ -400,13 +435,50 @@ def _parse_app_config(data: dict[str, Any], base: Path | None, check_files: bool
     raw["topology"] = resolve_path(parsed.topology, base)
     if check_files:
         _check_topology(raw["topology"])
+    _check_robust_and_wire(parsed, {"name": "clientapp"}, raw["topology"], check_files)
     ck = parsed.checkpoint
     return ExperimentConfig(
         name=parsed.name, seed=parsed.seed, rounds=parsed.rounds, device=parsed.device,
         topology=raw["topology"], data=parsed.data, model={}, algorithm={"name": "clientapp"},  # type: ignore[arg-type]
         network=parsed.network, workers=parsed.simulation.workers, eval_every=parsed.eval_every,
         checkpoint_every=ck.every if ck.enabled else 0, raw=raw, simulation=parsed.simulation, checkpoint=ck,
+        mixing=parsed.mixing, faults=parsed.faults, wire=parsed.wire,
     )
+
+
+def _check_robust_and_wire(parsed: ConfigFile, algo: dict[str, Any], topology_path: str, check_files: bool) -> None:
+    """``mixing``, ``faults`` and ``wire`` against the algorithm, the engine and the topology (docs/robust.md)."""
+    name = str(algo["name"])
+    mode = "push" if algo.get("mix_mode") == "push" else "pull"
+    if parsed.simulation.engine == "batched":
+        if parsed.faults.byzantine:
+            raise ConfigError("simulation.engine batched does not model the wire; use engine exact",
+                              key="faults.byzantine")
+        if parsed.wire.compression != "none":
+            raise ConfigError("simulation.engine batched does not model the wire; use engine exact",
+                              key="wire.compression")
+    if parsed.wire.compression == "topk" and (mode == "push" or name == "dispfl"):
+        why = ("push-sum must deliver its whole mass" if mode == "push"
+               else "dispfl's masks are bit tensors, and its masked averaging needs every held coordinate")
+        raise ConfigError(f"topk cannot be used with {name}{' (mix_mode: push)' if mode == 'push' else ''}: {why}",
+                          key="wire.compression", allowed="none, fp16, bf16")
+    peers = [b.peer for b in parsed.faults.byzantine]
+    dup = sorted({p for p in peers if peers.count(p) > 1})
+    if dup:
+        raise ConfigError(f"peer {shorten(dup[0])!r} is listed twice", key="faults.byzantine")
+    if not check_files:
+        return
+    from p2pfl.algorithms.robust import MixingRule, check_supported
+    from p2pfl.topology import load_topology
+
+    topology = load_topology(topology_path)
+    for i, p in enumerate(peers):
+        if p not in topology.ids:
+            close = suggest(p, topology.ids)
+            raise ConfigError(f"peer {shorten(p)!r} is not in topology {topology.name!r}",
+                              key=f"faults.byzantine[{i}].peer", hint=f"did you mean {close!r}?" if close else None)
+    m = parsed.mixing
+    check_supported(MixingRule(m.robust, m.trim, float(m.clip_radius)), topology, algorithm=name, mode=mode)
 
 
 def _check_model(model: dict[str, Any]) -> None:

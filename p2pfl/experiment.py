@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from p2pfl.algorithms import Algorithm, PeerState, build_algorithm
+from p2pfl.algorithms.robust import MixingRule
 from p2pfl.config import ExperimentConfig
 from p2pfl.data import ArrayDataset, Partition, PeerData, load_dataset, make_partition
+from p2pfl.faults import ByzantineFault
 from p2pfl.modelpool import ModelPool
 from p2pfl.models import build_model, split_parameter_names
 from p2pfl.models.layout import ParamLayout
@@ -24,6 +26,8 @@ from p2pfl.node import Node, Protocol, Recorder
 from p2pfl.peerapp import PeerApp
 from p2pfl.topology import Topology, load_topology
 from p2pfl.transport.base import Transport
+from p2pfl.wire.compress import WireFormat
+from p2pfl.wire.pipeline import PayloadPipeline
 
 if TYPE_CHECKING:
     from p2pfl.flower.clientapp import AppSpec
@@ -110,8 +114,23 @@ class Experiment:
         if self.app_spec is not None:
             from p2pfl.flower.clientapp import ClientAppAlgorithm
 
-            return ClientAppAlgorithm(self.app_spec, self.layout, self._app_init[2], run_id=self.cfg.seed)
-        return build_algorithm(self.cfg.algorithm_name, self.cfg.hyperparameters(), self.layout)
+            algo: Algorithm = ClientAppAlgorithm(self.app_spec, self.layout, self._app_init[2], run_id=self.cfg.seed)
+        else:
+            algo = build_algorithm(self.cfg.algorithm_name, self.cfg.hyperparameters(), self.layout)
+        m = self.cfg.mixing
+        algo.mixing = MixingRule(m.robust, m.trim, float(m.clip_radius))  # checked by the config (robust.py)
+        return algo
+
+    @property
+    def wire_format(self) -> WireFormat:
+        """``wire.*``: how every payload of the run is encoded."""
+        return WireFormat(self.cfg.wire.compression, float(self.cfg.wire.topk_ratio))
+
+    def pipeline(self, peer_id: str) -> PayloadPipeline:
+        """``peer_id``'s outgoing/incoming payload transforms: its ``faults.byzantine`` entry, the wire format."""
+        fault = next((ByzantineFault(b.peer, b.kind, float(b.scale)) for b in self.cfg.faults.byzantine
+                      if b.peer == peer_id), None)
+        return PayloadPipeline(self.wire_format, fault, self.cfg.seed)
 
     def model_factory(self) -> torch.nn.Module:
         if self.app_spec is not None:
@@ -149,11 +168,13 @@ class Experiment:
         else:
             app = PeerApp(peer_id, self.model_factory, self.peer_data(peer_id), self.device)
         algorithm.init_state(state, gen)
+        if transport is not None:  # the batched engine builds nodes without one
+            transport.configure_wire(self.wire_format, int(self.cfg.network.chunk_kb) * 1024)
         ckpt = (run_dir / "checkpoints" / f"{peer_id}.npz") if (run_dir and self.cfg.checkpoint_every) else None
         node = Node(peer_id=peer_id, topology=self.topology, algorithm=algorithm, app=app, transport=transport,
                     models=models, layout=self.layout, state=state, generator=gen, seed=self.cfg.seed,
                     rounds=rounds or self.cfg.rounds, deadline_s=self.cfg.network.round_timeout_s, record=record,
                     eval_every=self.cfg.eval_every, checkpoint_path=ckpt, checkpoint_every=self.cfg.checkpoint_every,
                     stop=stop, on_round=on_round, quorum=self.cfg.network.quorum,
-                    protocol=self.protocol(peer_id))
+                    protocol=self.protocol(peer_id), pipeline=self.pipeline(peer_id))
         return node

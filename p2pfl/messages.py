@@ -28,10 +28,14 @@ class Message:
     manifest: tuple[TensorSpec, ...]
     flat: torch.Tensor
     scalars: dict[str, float] = field(default_factory=dict)
+    #: How the codec encodes ``flat`` (``p2pfl.wire.compress``): the values are already what receivers see.
+    compression: str = "none"
+    #: Top-k only: the sorted int64 indices carried (``flat`` is zero elsewhere until ``densify``).
+    indices: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        """Size of the tensor data on the wire (the header is small and counted by transports)."""
+        """Size of the uncompressed float32 tensor data (``p2pfl.wire.codec.wire_size``: what the wire carries)."""
         return self.flat.numel() * self.flat.element_size()
 
     def tensors(self) -> dict[str, torch.Tensor]:

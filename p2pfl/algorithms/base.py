@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from p2pfl.algorithms.robust import MixingRule
 from p2pfl.badinput import BadInput
 from p2pfl.data.loader import PeerData
 from p2pfl.messages import Message
@@ -98,6 +99,8 @@ class Algorithm(ABC):
     name: ClassVar[str]
     shares: ClassVar[str] = "shared"
     defaults: ClassVar[dict[str, Any]] = {}
+    #: ``mixing.*``: the robust rule ``combine`` mixes with (none: the plain weighted sum); set by the Experiment.
+    mixing: MixingRule = MixingRule()
 
     def __init__(self, hp: dict[str, Any], layout: ParamLayout) -> None:
         from p2pfl.algorithms.hyperparameters import typed_hyperparameters
@@ -155,7 +158,7 @@ class Algorithm(ABC):
         from p2pfl.algorithms.mixing import mix_into
 
         n = own.flat.numel()
-        mix_into(state.params[:n], own.flat, plan, received, renormalize=self.mode == "pull")
+        mix_into(state.params[:n], own.flat, plan, received, renormalize=self.mode == "pull", rule=self.mixing)
 
 
     def combine_stacked(self, state: PeerState, round: int, step: int, own: torch.Tensor,
@@ -165,7 +168,7 @@ class Algorithm(ABC):
         """
         from p2pfl.algorithms.mixing import mix_rows
 
-        state.params[:, : own.shape[1]] = mix_rows(weights, own, renormalize=self.mode == "pull")
+        state.params[:, : own.shape[1]] = mix_rows(weights, own, renormalize=self.mode == "pull", rule=self.mixing)
 
 
 def finite_or_raise(value: float, what: str) -> float:

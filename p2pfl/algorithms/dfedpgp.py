@@ -14,7 +14,7 @@ import torch
 
 from p2pfl.algorithms.alternating import Phase, alternating_update, check_alternating
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
-from p2pfl.algorithms.mixing import mix_into, mix_scalar, row_normalized
+from p2pfl.algorithms.mixing import mix_into, mix_rows, mix_scalar, row_normalized
 from p2pfl.messages import Message
 from p2pfl.topology import MixingPlan
 
@@ -120,7 +120,7 @@ class DFedPGP(Algorithm):
         if not (math.isfinite(mu) and mu > 0):
             raise FloatingPointError(f"{self.name}: push-sum weight became {mu}")
         body = state.params[:n]
-        mix_into(body, own.flat, plan, received, renormalize=pull)
+        mix_into(body, own.flat, plan, received, renormalize=pull, rule=self.mixing if pull else None)
         if pull:
             if abs(mu - 1.0) > 1e-9:  # cannot happen with row-stochastic weights and mu_j = 1
                 raise FloatingPointError(f"{self.name}: pull-mode mu drifted to {mu}")
@@ -138,7 +138,7 @@ class DFedPGP(Algorithm):
         mu = w.to(torch.float64) @ scalars[MU].to(torch.float64)
         if not bool((torch.isfinite(mu) & (mu > 0)).all()):
             raise FloatingPointError(f"{self.name}: push-sum weight became {mu.min().item()}")
-        body = w.to(own.dtype) @ own
+        body = mix_rows(weights, own, renormalize=True, rule=self.mixing) if pull else w.to(own.dtype) @ own
         if pull:
             if float((mu - 1.0).abs().max()) > 1e-9:
                 raise FloatingPointError(f"{self.name}: pull-mode mu drifted to {mu}")

@@ -56,8 +56,9 @@ Choices on the ambiguities (spec sections in brackets)
   Dis-PFL included, with momentum 0.9 — the ``dispfl-dfedmdc`` preset does that.
 * **What goes on the wire**: ``shares = "all"``: the whole masked model (the final linear layer
   too — DisPFL has no personal head; the layout's head/body split is ignored here) followed by one
-  float32 0/1 tensor ``mask/<name>`` per prunable tensor. Dense tensors carry no mask (everyone holds
-  them). A bit-packed mask would be 32× smaller; float32 keeps the one-dtype wire format.
+  0/1 tensor ``mask/<name>`` per prunable tensor, declared ``bit`` in the manifest, so the codec sends
+  it bit-packed (32x smaller than float32; ``p2pfl.wire.compress``). Dense tensors carry no mask
+  (everyone holds them).
 * **Aggregation weights**: DisPFL averages each coordinate uniformly over the models that hold it.
   Here each peer's plan weight (self weight and ``W[i, j]``) is renormalized per coordinate over the
   holders, which is DisPFL's rule exactly when the plan is uniform (``random_pull``: 1/(k+1)), and
@@ -201,7 +202,7 @@ class DisPFL(Algorithm):
         offset = layout.numel
         mask_specs = []
         for s in self.prunable:
-            mask_specs.append(TensorSpec(MASK_PREFIX + s.name, s.shape, offset, s.numel))
+            mask_specs.append(TensorSpec(MASK_PREFIX + s.name, s.shape, offset, s.numel, dtype="bit"))
             offset += s.numel
         self._wire = (*layout.specs, *mask_specs)
         self.num_mask = offset - layout.numel
@@ -328,7 +329,7 @@ class DisPFL(Algorithm):
 
     # -- the wire ----------------------------------------------------------------------------
     def wire_specs(self) -> tuple[TensorSpec, ...]:
-        """The whole model, then ``mask/<name>`` (float32 0/1) for each prunable tensor."""
+        """The whole model, then ``mask/<name>`` (0/1, bit-packed on the wire) for each prunable tensor."""
         return self._wire
 
     def outgoing(self, state: PeerState, round: int, step: int) -> tuple[torch.Tensor, dict[str, float]]:

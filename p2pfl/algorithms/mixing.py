@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from p2pfl.algorithms.robust import MixingRule, robust_mix, robust_rows
 from p2pfl.messages import Message
 from p2pfl.topology import MixingPlan
 
@@ -33,13 +34,21 @@ def mix_weights(plan: MixingPlan, arrived: set[str] | dict, renormalize: bool) -
 
 
 def mix_into(out: torch.Tensor, own: torch.Tensor, plan: MixingPlan, received: dict[str, Message],
-             renormalize: bool = True) -> None:
-    """``out <- w_self * own + sum_j w_j * received[j]``, over flat buffers (``out`` may alias ``own``)."""
+             renormalize: bool = True, rule: MixingRule | None = None) -> None:
+    """``out <- w_self * own + sum_j w_j * received[j]``, over flat buffers (``out`` may alias ``own``).
+
+    With a robust ``rule`` (``mixing.robust``, pull mode only) the rule replaces the weighted sum,
+    over the same inputs in the same (plan) order: ``p2pfl.algorithms.robust.robust_mix``.
+    """
     self_w, weights = mix_weights(plan, received, renormalize)
     missing = [j for j in plan.in_weights if j not in received]
     if missing:
         log.warning("round %d step %d: mixing without %s (weights %s)", plan.round, plan.step,
                     ",".join(missing), "renormalized" if renormalize else "as planned")
+    if rule is not None and rule.active:
+        order = [j for j in plan.in_weights if j in weights]
+        out.copy_(robust_mix(own, [received[j].flat for j in order], self_w, [weights[j] for j in order], rule))
+        return
     acc = own * self_w  # a new buffer: `out` may alias `own`
     for j in plan.in_weights:  # fixed order => bitwise reproducible
         if j in weights:
@@ -68,7 +77,14 @@ def row_normalized(weights: torch.Tensor) -> torch.Tensor:
     return weights / weights.sum(dim=1, keepdim=True)
 
 
-def mix_rows(weights: torch.Tensor, stacked: torch.Tensor, renormalize: bool = True) -> torch.Tensor:
-    """``W @ X``: every peer's plan-weighted mix of the stacked payloads ``X`` = ``[peers, m]``."""
+def mix_rows(weights: torch.Tensor, stacked: torch.Tensor, renormalize: bool = True,
+             rule: MixingRule | None = None) -> torch.Tensor:
+    """``W @ X``: every peer's plan-weighted mix of the stacked payloads ``X`` = ``[peers, m]``.
+
+    A robust ``rule`` is applied peer by peer (``robust.robust_rows``: a sort per peer does not
+    vectorize into one product), with the exact engine's function.
+    """
+    if rule is not None and rule.active:
+        return robust_rows(weights, stacked, rule)
     w = row_normalized(weights) if renormalize else weights
     return w.to(stacked.dtype) @ stacked

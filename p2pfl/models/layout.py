@@ -25,6 +25,8 @@ class TensorSpec:
     shape: tuple[int, ...]
     offset: int
     numel: int
+    #: How the tensor crosses the wire: ``float32`` (the default), or ``bit`` for 0/1 tensors sent bit-packed.
+    dtype: str = "float32"
 
 
 @dataclass(frozen=True)

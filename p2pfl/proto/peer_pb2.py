@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16p2pfl/proto/peer.proto\x12\np2pfl.peer\"9\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x93\x02\n\x06Header\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x15\n\rtopology_hash\x18\x04 \x01(\t\x12)\n\x08manifest\x18\x05 \x03(\x0b\x32\x17.p2pfl.peer.TensorEntry\x12\x30\n\x07scalars\x18\x06 \x03(\x0b\x32\x1f.p2pfl.peer.Header.ScalarsEntry\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\r\n\x05\x63rc32\x18\x08 \x01(\x07\x12\x14\n\x0cwire_version\x18\t \x01(\r\x1a.\n\x0cScalarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"E\n\x05\x43hunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.p2pfl.peer.HeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"T\n\x0bPullRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x15\n\rtopology_hash\x18\x04 \x01(\t\"#\n\tPushReply\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"\x0f\n\rStatusRequest\"U\n\x0bStatusReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x15\n\rtopology_hash\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t2\xae\x01\n\x04Peer\x12\x34\n\x04Pull\x12\x17.p2pfl.peer.PullRequest\x1a\x11.p2pfl.peer.Chunk0\x01\x12\x32\n\x04Push\x12\x11.p2pfl.peer.Chunk\x1a\x15.p2pfl.peer.PushReply(\x01\x12<\n\x06Status\x12\x19.p2pfl.peer.StatusRequest\x1a\x17.p2pfl.peer.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16p2pfl/proto/peer.proto\x12\np2pfl.peer\"9\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xb7\x02\n\x06Header\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x15\n\rtopology_hash\x18\x04 \x01(\t\x12)\n\x08manifest\x18\x05 \x03(\x0b\x32\x17.p2pfl.peer.TensorEntry\x12\x30\n\x07scalars\x18\x06 \x03(\x0b\x32\x1f.p2pfl.peer.Header.ScalarsEntry\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\r\n\x05\x63rc32\x18\x08 \x01(\x07\x12\x14\n\x0cwire_version\x18\t \x01(\r\x12\x13\n\x0b\x63ompression\x18\n \x01(\t\x12\r\n\x05\x63ount\x18\x0b \x01(\x04\x1a.\n\x0cScalarsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"E\n\x05\x43hunk\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.p2pfl.peer.HeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody\"T\n\x0bPullRequest\x12\x11\n\trequester\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x15\n\rtopology_hash\x18\x04 \x01(\t\"#\n\tPushReply\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"\x0f\n\rStatusRequest\"U\n\x0bStatusReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x15\n\rtopology_hash\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t2\xae\x01\n\x04Peer\x12\x34\n\x04Pull\x12\x17.p2pfl.peer.PullRequest\x1a\x11.p2pfl.peer.Chunk0\x01\x12\x32\n\x04Push\x12\x11.p2pfl.peer.Chunk\x1a\x15.p2pfl.peer.PushReply(\x01\x12<\n\x06Status\x12\x19.p2pfl.peer.StatusRequest\x1a\x17.p2pfl.peer.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,19 +36,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORENTRY']._serialized_start=38
   _globals['_TENSORENTRY']._serialized_end=95
   _globals['_HEADER']._serialized_start=98
-  _globals['_HEADER']._serialized_end=373
-  _globals['_HEADER_SCALARSENTRY']._serialized_start=327
-  _globals['_HEADER_SCALARSENTRY']._serialized_end=373
-  _globals['_CHUNK']._serialized_start=375
-  _globals['_CHUNK']._serialized_end=444
-  _globals['_PULLREQUEST']._serialized_start=446
-  _globals['_PULLREQUEST']._serialized_end=530
-  _globals['_PUSHREPLY']._serialized_start=532
-  _globals['_PUSHREPLY']._serialized_end=567
-  _globals['_STATUSREQUEST']._serialized_start=569
-  _globals['_STATUSREQUEST']._serialized_end=584
-  _globals['_STATUSREPLY']._serialized_start=586
-  _globals['_STATUSREPLY']._serialized_end=671
-  _globals['_PEER']._serialized_start=674
-  _globals['_PEER']._serialized_end=848
+  _globals['_HEADER']._serialized_end=409
+  _globals['_HEADER_SCALARSENTRY']._serialized_start=363
+  _globals['_HEADER_SCALARSENTRY']._serialized_end=409
+  _globals['_CHUNK']._serialized_start=411
+  _globals['_CHUNK']._serialized_end=480
+  _globals['_PULLREQUEST']._serialized_start=482
+  _globals['_PULLREQUEST']._serialized_end=566
+  _globals['_PUSHREPLY']._serialized_start=568
+  _globals['_PUSHREPLY']._serialized_end=603
+  _globals['_STATUSREQUEST']._serialized_start=605
+  _globals['_STATUSREQUEST']._serialized_end=620
+  _globals['_STATUSREPLY']._serialized_start=622
+  _globals['_STATUSREPLY']._serialized_end=707
+  _globals['_PEER']._serialized_start=710
+  _globals['_PEER']._serialized_end=884
 # @@protoc_insertion_point(module_scope)

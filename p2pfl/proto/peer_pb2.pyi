@@ -17,7 +17,7 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("sender", "round", "step", "topology_hash", "manifest", "scalars", "total_bytes", "crc32", "wire_version")
+    __slots__ = ("sender", "round", "step", "topology_hash", "manifest", "scalars", "total_bytes", "crc32", "wire_version", "compression", "count")
     class ScalarsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class Header(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
     sender: str
     round: int
     step: int
@@ -43,7 +45,9 @@ class Header(_message.Message):
     total_bytes: int
     crc32: int
     wire_version: int
-    def __init__(self, sender: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., topology_hash: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., scalars: _Optional[_Mapping[str, float]] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., wire_version: _Optional[int] = ...) -> None: ...
+    compression: str
+    count: int
+    def __init__(self, sender: _Optional[str] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., topology_hash: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., scalars: _Optional[_Mapping[str, float]] = ..., total_bytes: _Optional[int] = ..., crc32: _Optional[int] = ..., wire_version: _Optional[int] = ..., compression: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "data")

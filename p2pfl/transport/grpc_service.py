@@ -41,6 +41,7 @@ from p2pfl.transport.limits import (
     safe_deserializer,
 )
 from p2pfl.wire.codec import DEFAULT_CHUNK_BYTES, Decoder, EncodedPayload, RawData, encode_frames, parse_frame
+from p2pfl.wire.compress import WireFormat
 from p2pfl.wire.validate import Expectation, Reason, WireError, excerpt
 
 __all__ = [
@@ -90,6 +91,8 @@ _STATUS: dict[Reason, grpc.StatusCode] = {
     Reason.STEP: grpc.StatusCode.OUT_OF_RANGE,
     Reason.TOPOLOGY: grpc.StatusCode.FAILED_PRECONDITION,
     Reason.SENDER: grpc.StatusCode.PERMISSION_DENIED,
+    Reason.COMPRESSION: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.INDICES: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 
@@ -197,6 +200,7 @@ class PeerServer:
         self.mode = "pull"
         self.tls: TLSConfig | None = None
         self.chunk_bytes = DEFAULT_CHUNK_BYTES
+        self.wire_format = WireFormat()  # wire.*: what pushes must be encoded as (Transport.configure_wire)
         self.max_bytes = 256 << 20
         self.max_wait_s = 300.0
         self.max_pending = 16
@@ -799,6 +803,7 @@ class PeerServer:
         exp = Expectation(
             specs=self.expected_specs, round=r, step=s, topology_hash=self.topology_hash,
             senders=frozenset(plan.in_weights), scalar_keys=self.scalar_keys, max_bytes=self.max_bytes,
+            wire=self.wire_format,
         )
         dec = Decoder(exp)
         try:

@@ -20,10 +20,12 @@ from collections.abc import Callable
 from p2pfl.messages import Message
 from p2pfl.topology import MixingPlan
 from p2pfl.transport.base import ExchangeResult, Transport, TransportError
+from p2pfl.wire.codec import wire_size
 
 log = logging.getLogger(__name__)
 
-HEADER_BYTES = 64  # a fixed estimate of the per-message header, for byte accounting
+HEADER_BYTES = 64  # the batched engine's fixed per-message header estimate (this transport counts exactly)
+
 
 
 class MemoryHub:
@@ -131,7 +133,8 @@ class MemoryTransport(Transport):
         self.peer_id = peer_id
 
     def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
-        size = message.nbytes + HEADER_BYTES
+        # Exactly the bytes gRPC would carry: the codec's own size of this message (headers included).
+        size = wire_size(message, self.chunk_bytes)
         readers = list(plan.out_weights)
         self.hub.publish(message, readers)
         keys = [(j, message.round, message.step) for j in plan.in_weights]
@@ -142,7 +145,7 @@ class MemoryTransport(Transport):
                         self.peer_id, message.round, message.step, j)
             del got[j]
         missing = [j for j in plan.in_weights if j not in got]
-        recv = sum(m.nbytes + HEADER_BYTES for m in got.values())
+        recv = sum(wire_size(m, self.chunk_bytes) for m in got.values())
         return ExchangeResult(received=got, missing=missing, bytes_sent=size * len(readers), bytes_recv=recv)
 
 

@@ -42,8 +42,8 @@ import torch
 from p2pfl.messages import Message
 from p2pfl.models.layout import TensorSpec
 from p2pfl.proto import peer_pb2
+from p2pfl.wire.compress import BIT, VALUE_BYTES, pack_bits, unpack_bits
 from p2pfl.wire.validate import (
-    DTYPE,
     WIRE_VERSION,
     Expectation,
     Reason,
@@ -51,6 +51,7 @@ from p2pfl.wire.validate import (
     all_finite,
     check_finite,
     check_header,
+    encoded_nbytes,
 )
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "encode_frames",
     "parse_frame",
     "scalars_crc",
+    "wire_size",
 ]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -197,16 +199,7 @@ def scalars_crc(scalars: Mapping[str, float]) -> int:
 # ---- encoding -----------------------------------------------------------------------------------
 
 
-def _payload_view(msg: Message) -> tuple[peer_pb2.Header, memoryview]:
-    """The header and a byte view of ``msg.flat`` (CPU, contiguous, little-endian), without copying on CPU."""
-    flat = msg.flat.detach()
-    if flat.dtype != torch.float32:
-        raise ValueError(f"message flat must be float32, got {flat.dtype}")
-    if flat.dim() != 1:
-        raise ValueError(f"message flat must be 1-D, got shape {tuple(flat.shape)}")
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    flat = flat.contiguous()
+def _check_layout(msg: Message, flat: torch.Tensor) -> None:
     offset = 0
     for s in msg.manifest:
         numel = math.prod(s.shape)
@@ -218,23 +211,89 @@ def _payload_view(msg: Message) -> tuple[peer_pb2.Header, memoryview]:
         offset += s.numel
     if offset != flat.numel():
         raise ValueError(f"manifest covers {offset} elements but flat has {flat.numel()}")
-    arr = flat.numpy()
-    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
-        arr = arr.astype("<f4")
-    view = memoryview(arr).cast("B")
-    scalars = {str(k): float(v) for k, v in msg.scalars.items()}
-    header = peer_pb2.Header(
+
+
+def _plain(msg: Message) -> bool:
+    """Whether the tensor bytes are ``flat``'s own memory (float32, nothing packed): the zero-copy path."""
+    return (msg.compression or "none") == "none" and all(s.dtype != BIT for s in msg.manifest)
+
+
+def _encoded(msg: Message, arr: np.ndarray) -> np.ndarray:
+    """The tensor bytes of a compressed payload or one with bit tensors (one new buffer)."""
+    comp = msg.compression or "none"
+    if comp == "topk":
+        if msg.indices is None:
+            raise ValueError("a top-k message must carry its indices")
+        idx = msg.indices.detach().cpu().numpy()
+        return np.concatenate([idx.astype("<i4").view(np.uint8), arr[idx].astype("<f4").view(np.uint8)])
+    parts = []
+    for s in msg.manifest:
+        part = arr[s.offset : s.offset + s.numel]
+        if s.dtype == BIT:
+            parts.append(pack_bits(part))
+        elif comp == "fp16":
+            parts.append(part.astype("<f2").view(np.uint8))
+        elif comp == "bf16":
+            half = torch.from_numpy(np.ascontiguousarray(part)).to(torch.bfloat16).view(torch.int16).numpy()
+            parts.append(half.astype("<i2").view(np.uint8))
+        else:
+            parts.append(part.astype("<f4").view(np.uint8))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
+
+
+def _header(msg: Message, nbytes: int, crc: int) -> peer_pb2.Header:
+    comp = msg.compression or "none"
+    return peer_pb2.Header(
         sender=msg.sender,
         round=msg.round,
         step=msg.step,
         topology_hash=msg.topology_hash,
-        manifest=[peer_pb2.TensorEntry(name=s.name, dtype=DTYPE, shape=list(s.shape)) for s in msg.manifest],
-        scalars=scalars,
-        total_bytes=view.nbytes,
-        crc32=crc32_combine(scalars_crc(scalars), crc32(view), view.nbytes),
+        manifest=[peer_pb2.TensorEntry(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in msg.manifest],
+        scalars={str(k): float(v) for k, v in msg.scalars.items()},
+        total_bytes=nbytes,
+        crc32=crc,
         wire_version=WIRE_VERSION,
+        compression="" if comp == "none" else comp,
+        count=0 if msg.indices is None else int(msg.indices.numel()),
     )
+
+
+def _payload_view(msg: Message) -> tuple[peer_pb2.Header, memoryview]:
+    """The header and a byte view of the encoded tensor bytes (``msg.flat`` itself on CPU when float32)."""
+    flat = msg.flat.detach()
+    if flat.dtype != torch.float32:
+        raise ValueError(f"message flat must be float32, got {flat.dtype}")
+    if flat.dim() != 1:
+        raise ValueError(f"message flat must be 1-D, got shape {tuple(flat.shape)}")
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous()
+    _check_layout(msg, flat)
+    arr = flat.numpy()
+    if _plain(msg):
+        if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+            arr = arr.astype("<f4")
+        view = memoryview(arr).cast("B")
+    else:
+        view = memoryview(_encoded(msg, arr))
+    scalars = {str(k): float(v) for k, v in msg.scalars.items()}
+    header = _header(msg, view.nbytes, crc32_combine(scalars_crc(scalars), crc32(view), view.nbytes))
     return header, view
+
+
+def _frames_bytes(header: peer_pb2.Header, nbytes: int, chunk_bytes: int) -> int:
+    """Serialized size of the header Chunk and the data Chunks of ``nbytes`` tensor bytes."""
+    sizes = [min(chunk_bytes, nbytes - i) for i in range(0, nbytes, chunk_bytes)]
+    return peer_pb2.Chunk(header=header).ByteSize() + sum(1 + len(_varint(n)) + n for n in sizes)
+
+
+def wire_size(msg: Message, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Bytes ``encode_frames(msg, chunk_bytes)`` puts on the wire (``EncodedPayload.wire_bytes``), computed
+    without encoding: the in-memory simulation accounts its traffic with it. The CRC is a fixed32, so
+    its value does not change the size, except 0, which proto3 leaves out (5 bytes, 1 payload in 2**32)."""
+    count = 0 if msg.indices is None else int(msg.indices.numel())
+    nbytes = encoded_nbytes(msg.manifest, msg.compression or "none", count)
+    return _frames_bytes(_header(msg, nbytes, 0xFFFFFFFF), nbytes, chunk_bytes)
 
 
 def _check_chunk_bytes(chunk_bytes: int) -> None:
@@ -272,8 +331,7 @@ class EncodedPayload:
         self._frames: list[bytes | None] = [None] * -(-view.nbytes // chunk_bytes)
         self._missing = len(self._frames)
         self._lock = threading.Lock()
-        sizes = [min(chunk_bytes, view.nbytes - i) for i in range(0, view.nbytes, chunk_bytes)]
-        self.wire_bytes = len(self.header_frame) + sum(1 + len(_varint(n)) + n for n in sizes)
+        self.wire_bytes = _frames_bytes(header, view.nbytes, chunk_bytes)
         """Serialized size of all chunks (the protobuf bytes gRPC carries, without its 5-byte framing)."""
 
     def __len__(self) -> int:
@@ -459,11 +517,17 @@ class Decoder:
                 f"CRC-32 of the {self._pos} received bytes is {crc:#010x} (scalars included), "
                 f"the header says {h.crc32:#010x}",
             )
-        values = self._buf.view("<f4")
-        if not all_finite:
+        compression = h.compression or "none"
+        indices = None
+        if compression == "none" and all(s.dtype != BIT for s in self._specs):
+            values = self._buf.view("<f4")
+            if not all_finite:
+                check_finite(values, self._specs)
+            if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+                values = values.astype(np.float32)
+        else:
+            values, indices = _decoded(self._buf, self._specs, compression, int(h.count))
             check_finite(values, self._specs)
-        if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
-            values = values.astype(np.float32)
         return Message(
             sender=h.sender,
             round=int(h.round),
@@ -472,7 +536,46 @@ class Decoder:
             manifest=self._specs,
             flat=torch.from_numpy(values),
             scalars={k: float(h.scalars[k]) for k in sorted(h.scalars)},
+            compression=compression,
+            indices=indices,
         )
+
+
+def _decoded(buf: np.ndarray, specs: tuple[TensorSpec, ...], compression: str,
+             count: int) -> tuple[np.ndarray, torch.Tensor | None]:
+    """Float32 values (and top-k indices) of checked, complete tensor bytes; refuses bad indices and pad bits."""
+    numel = sum(s.numel for s in specs)
+    if compression == "topk":
+        idx = buf[: 4 * count].view("<i4").astype(np.int64)
+        if count and (idx[0] < 0 or idx[-1] >= numel or (count > 1 and not bool((np.diff(idx) > 0).all()))):
+            bad = int(np.flatnonzero(np.concatenate([[idx[0] < 0], np.diff(idx) <= 0, [idx[-1] >= numel]]))[0])
+            raise WireError(Reason.INDICES, f"top-k indices must be strictly increasing in [0, {numel}) "
+                                            f"(first offence at position {min(bad, count - 1)})")
+        out = np.zeros(numel, dtype=np.float32)
+        out[idx] = buf[4 * count :].view("<f4")
+        return out, torch.from_numpy(idx)
+    out = np.empty(numel, dtype=np.float32)
+    pos = 0
+    per = VALUE_BYTES[compression]
+    for s in specs:
+        if s.dtype == BIT:
+            nb = -(-s.numel // 8)
+            packed = buf[pos : pos + nb]
+            if s.numel % 8 and int(packed[-1]) >> (s.numel % 8):
+                raise WireError(Reason.MALFORMED, f"bit tensor {s.name!r} has non-zero padding bits")
+            out[s.offset : s.offset + s.numel] = unpack_bits(packed, s.numel)
+            pos += nb
+            continue
+        raw = buf[pos : pos + s.numel * per]
+        if compression == "fp16":
+            out[s.offset : s.offset + s.numel] = raw.view("<f2")
+        elif compression == "bf16":
+            out[s.offset : s.offset + s.numel] = (
+                torch.from_numpy(raw.view("<i2").copy()).view(torch.bfloat16).float().numpy())
+        else:
+            out[s.offset : s.offset + s.numel] = raw.view("<f4")
+        pos += s.numel * per
+    return out, None
 
 
 def decode(

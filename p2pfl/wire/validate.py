@@ -19,6 +19,7 @@ import numpy as np
 
 from p2pfl.models.layout import TensorSpec
 from p2pfl.proto import peer_pb2
+from p2pfl.wire.compress import BIT, VALUE_BYTES, WireFormat, topk_count
 
 __all__ = [
     "DTYPE",
@@ -29,6 +30,7 @@ __all__ = [
     "all_finite",
     "check_finite",
     "check_header",
+    "encoded_nbytes",
     "excerpt",
 ]
 
@@ -61,6 +63,8 @@ class Reason(StrEnum):
     STEP = "step"
     TOPOLOGY = "topology"
     SENDER = "sender"
+    COMPRESSION = "compression"
+    INDICES = "indices"
 
 
 class WireError(ValueError):
@@ -87,6 +91,7 @@ class Expectation:
     senders: frozenset[str]
     scalar_keys: frozenset[str] = field(default_factory=frozenset)
     max_bytes: int = 256 << 20
+    wire: WireFormat = field(default_factory=WireFormat)  # ``wire.*``: how the tensor bytes are encoded
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "specs", tuple(self.specs))
@@ -96,7 +101,23 @@ class Expectation:
     @property
     def nbytes(self) -> int:
         """Tensor bytes a conforming payload carries."""
-        return sum(s.numel for s in self.specs) * _ITEMSIZE
+        return encoded_nbytes(self.specs, self.wire.compression, self.count)
+
+    @property
+    def count(self) -> int:
+        """Top-k: the number of coordinates every payload carries (0 in the other modes)."""
+        if self.wire.compression != "topk":
+            return 0
+        return topk_count(sum(s.numel for s in self.specs), self.wire.topk_ratio)
+
+
+def encoded_nbytes(specs: Iterable[TensorSpec], compression: str, count: int = 0) -> int:
+    """Tensor bytes of a payload: per tensor its values (4 or 2 bytes each) or its packed bits; top-k:
+    ``count`` int32 indices and ``count`` float32 values."""
+    if compression == "topk":
+        return count * (4 + VALUE_BYTES["topk"])
+    per = VALUE_BYTES[compression]
+    return sum(-(-s.numel // 8) if s.dtype == BIT else s.numel * per for s in specs)
 
 
 def _fmt_ids(ids: Iterable[str]) -> str:
@@ -126,7 +147,7 @@ def check_header(h: peer_pb2.Header, exp: Expectation) -> tuple[TensorSpec, ...]
 
     Order: wire version, topology, sender, round, step (a payload from another run or round says
     nothing else worth reading), declared size (before anything is buffered), manifest, scalars,
-    length. Peer-supplied strings are quoted as bounded excerpts.
+    compression (and the top-k count), length. Peer-supplied strings are quoted as bounded excerpts.
     """
     if h.wire_version != WIRE_VERSION:
         raise WireError(
@@ -164,9 +185,9 @@ def check_header(h: peer_pb2.Header, exp: Expectation) -> tuple[TensorSpec, ...]
             raise WireError(
                 Reason.MANIFEST, f"manifest entry {i} is tensor {excerpt(e.name)}, expected {want.name!r}"
             )
-        if e.dtype != DTYPE:
+        if e.dtype != want.dtype:
             raise WireError(
-                Reason.DTYPE, f"tensor {e.name!r} has dtype {excerpt(e.dtype)}; only {DTYPE} is accepted"
+                Reason.DTYPE, f"tensor {e.name!r} has dtype {excerpt(e.dtype)}; only {want.dtype} is accepted"
             )
         shape = tuple(int(d) for d in e.shape)
         if shape != tuple(want.shape):
@@ -176,7 +197,7 @@ def check_header(h: peer_pb2.Header, exp: Expectation) -> tuple[TensorSpec, ...]
                 f"tensor {e.name!r} has shape {got}, expected {_shape(want.shape)}",
             )
         numel = math.prod(shape)
-        specs.append(TensorSpec(e.name, shape, offset, numel))
+        specs.append(TensorSpec(e.name, shape, offset, numel, want.dtype))
         offset += numel
     if len(entries) > len(exp.specs):
         raise WireError(
@@ -202,7 +223,20 @@ def check_header(h: peer_pb2.Header, exp: Expectation) -> tuple[TensorSpec, ...]
         if not math.isfinite(v):
             raise WireError(Reason.NON_FINITE, f"scalar {k!r} is {v!r}")
 
-    need = offset * _ITEMSIZE
+    compression = h.compression or "none"
+    if compression != exp.wire.compression:
+        raise WireError(
+            Reason.COMPRESSION,
+            f"payload compression is {excerpt(compression)}, this peer's config says {exp.wire.compression!r} "
+            "(the peers run different wire.compression settings)",
+        )
+    if h.count != exp.count:
+        raise WireError(
+            Reason.COMPRESSION,
+            f"payload carries {h.count} top-k coordinates, expected {exp.count}"
+            + (" (the peers run different wire.topk_ratio settings)" if compression == "topk" else ""),
+        )
+    need = encoded_nbytes(specs, compression, exp.count)
     if h.total_bytes != need:
         raise WireError(
             Reason.LENGTH, f"header declares {h.total_bytes} bytes but the manifest needs {need} bytes"
