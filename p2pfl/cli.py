@@ -11,11 +11,38 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
+from typer.core import TyperGroup
 
 from p2pfl.badinput import EXIT_BAD_INPUT, BadInput
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+
+class _Refused(click.ClickException):
+    """Bad input as click reports it: ``error: <one line>`` on stderr, exit status 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
+        typer.echo(f"error: {self.message}", err=True)
+
+
+class _Group(TyperGroup):
+    """Every command (and sub-app) of ``p2pfl``: a `BadInput` anywhere becomes one line and exit 2,
+    with the traceback only under ``--debug`` / ``P2PFL_DEBUG=1``."""
+
+    def invoke(self, ctx: click.Context):  # noqa: ANN201 - click's signature
+        try:
+            return super().invoke(ctx)
+        except BadInput as exc:
+            if os.environ.get("P2PFL_DEBUG") == "1":
+                import traceback
+
+                traceback.print_exc()
+            raise _Refused(str(exc)) from None
+
+
+app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Peer-to-peer personalized federated learning: simulate, run peers, deploy.")
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="experiment config YAML")]
@@ -328,8 +355,6 @@ def _mount(argv: list[str] | None = None) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point. Bad input anywhere (config, topology, options) is one line on stderr and exit 2;
     ``--debug`` (anywhere on the line, or ``P2PFL_DEBUG=1``) adds the traceback."""
-    import click
-
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("P2PFL_DEBUG") == "1"
     args = [a for a in args if a != "--debug"]
@@ -341,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         code = app(args=args, prog_name="p2pfl", standalone_mode=False)
-    except BadInput as exc:
+    except BadInput as exc:  # raised outside a command's invocation (e.g. while mounting)
         if debug:
             import traceback
 
@@ -352,6 +377,9 @@ def main(argv: list[str] | None = None) -> None:
         cmd = exc.ctx.command_path if exc.ctx is not None else "p2pfl"
         typer.echo(f"error: {cmd}: {exc.format_message()} (see {cmd} --help)", err=True)
         sys.exit(EXIT_BAD_INPUT)
+    except click.ClickException as exc:  # _Refused: bad input inside a command
+        exc.show()
+        sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         sys.exit(130)
     except KeyboardInterrupt:

@@ -70,4 +70,4 @@ def test_cli_refuses_bad_config(tmp_path: Path) -> None:
     path = tiny_config(tmp_path)
     _mount()
     res = CliRunner().invoke(app, ["simulate", "--config", str(path), "--set", "rounds=0"])
-    assert res.exit_code == 1 and "rounds" in res.output
+    assert res.exit_code == 2 and "rounds: must be >= 1" in res.output  # 2: bad input, one line
