@@ -7,6 +7,9 @@ same dataset load), one after the other, alternating the order every repeat so b
 load on a shared machine:
 
 * ``exact``: `p2pfl.simulation.simulate` (the default engine, bitwise equal to launch/compose).
+* ``batched``: the same `simulate` with ``simulation.engine=batched`` (every peer a row of stacked
+  tensors, one vmapped forward/backward per local step, one matrix product per gossip step; on a
+  CPU it uses ``workers`` torch threads in one process).
 * ``loop``: the limit. ``workers`` processes x 1 torch thread, peer i on process i mod W as in the
   simulation; every peer's flat parameters in one shared-memory tensor (double buffered), one
   model per process whose parameters are views of a peer's row; per round each process runs its
@@ -22,8 +25,12 @@ included; ``peak_rss_mb`` the peak of the process tree's summed RSS (``peak_pss_
 PSS, which counts pages shared after fork once), sampled every 0.2 s by this process. Ratios are
 taken per repeat (side by side) and reported as median and min over repeats.
 
-Usage: python bench/many_peers.py [--rounds 11] [--peers 128] [--repeats 2] [--engines exact,loop]
+Usage: python bench/many_peers.py [--rounds 11] [--peers 128] [--repeats 2] [--engines exact,batched,loop]
 The last line is one JSON object.
+
+On a GPU (the tight loop is CPU-only; the target there is batched >= 10x exact for 128 cnn_small peers):
+  python bench/many_peers.py --engines exact,batched --set device=cuda --rounds 6 --repeats 2
+  python bench/many_peers.py --engines exact,batched --set device=cuda --set model.name=alexnet --rounds 4 --repeats 1
 """
 
 from __future__ import annotations
@@ -211,6 +218,11 @@ def run_exact(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return run_simulation(args, tmp, [])
 
 
+def run_batched(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """The ``batched`` engine: all peers as one stack of tensors (p2pfl/engine/batched.py)."""
+    return run_simulation(args, tmp, ["simulation.engine=batched"])
+
+
 # ---- the tight loop (the limit) ---------------------------------------------------------------
 
 
@@ -321,6 +333,7 @@ def run_loop(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 #: Engine name -> function running it in this (child) process. Add an engine here.
 ENGINES: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "exact": run_exact,
+    "batched": run_batched,
     "loop": run_loop,
 }
 
@@ -362,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peers", type=int, default=None, help="peers on a ring (default: the config's topology)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--engines", default="exact,loop", help=f"comma-separated, of {sorted(ENGINES)}")
+    ap.add_argument("--engines", default="exact,batched,loop", help=f"comma-separated, of {sorted(ENGINES)}")
     ap.add_argument("--set", action="append", default=[], help="extra config override dotted.key=VALUE")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -22,6 +22,7 @@ per-peer timings in the records are the batch's times divided by the number of p
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -199,6 +200,10 @@ def simulate_batched(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, *, p
     ids = list(exp.topology.ids)
     write_inputs(run_dir, cfg.raw, exp.topology.to_dict(), exp.partition)
     writer = MetricsWriter(run_dir / "metrics.jsonl")
+    threads = torch.get_num_threads()
+    # One process steps every peer: on a CPU, ``simulation.workers`` become its torch threads.
+    workers = max(1, min(cfg.workers, os.cpu_count() or 1)) if exp.device.type == "cpu" else 1
+    torch.set_num_threads(workers)
     t0 = time.perf_counter()
     try:
         sim = BatchedSimulation(exp, run_dir, writer)
@@ -208,11 +213,12 @@ def simulate_batched(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, *, p
                 log.info("batched engine: round %d/%d done", r + 1, cfg.rounds)
     finally:
         writer.close()
+        torch.set_num_threads(threads)
     wall = time.perf_counter() - t0
     recs = sort_metrics(run_dir / "metrics.jsonl", ids)
     summary = summarize(recs, {
         "name": cfg.name, "algorithm": cfg.algorithm_name, "seed": cfg.seed, "mode": "simulate",
-        "engine": "batched", "wall_seconds": wall, "wall_seconds_per_round": wall / cfg.rounds, "workers": 1,
+        "engine": "batched", "wall_seconds": wall, "wall_seconds_per_round": wall / cfg.rounds, "workers": workers,
         "resumed_from_round": 0,
     })
     write_summary(run_dir, summary)
