@@ -24,14 +24,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(args: list[str]) -> tuple[float, float, int]:
-    """(wall seconds, peak RSS of the child in MiB, exit code) of one ``p2pfl`` command."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+def _run(args: list[str]) -> tuple[float, float, float, int]:
+    """(wall s, CPU s, peak RSS of the child in MiB, exit code) of one ``p2pfl`` command.
+
+    CPU seconds (user + sys) are reported too: on a shared machine they move far less than wall time.
+    """
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "p2pfl.cli", *args], cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return wall, max(peak, before) / 1024, res.returncode
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, max(after.ru_maxrss, before.ru_maxrss) / 1024, res.returncode
 
 
 def _alias_bomb(levels: int = 9) -> str:
@@ -60,15 +64,18 @@ def main() -> None:
         for name, cmd, want in (("startup_only", ["--help"], 0),
                                 ("alias_bomb", ["topology", "check", str(bomb)], 2),
                                 ("ring_check", ["topology", "check", str(ring)], 0)):
-            walls, peaks = [], []
+            walls, cpus, peaks = [], [], []
             for _ in range(args.repeat):
-                wall, peak, code = _run(cmd)
+                wall, cpu, peak, code = _run(cmd)
                 if code != want:
                     raise SystemExit(f"{name}: exit {code}, expected {want}")
                 walls.append(wall)
+                cpus.append(cpu)
                 peaks.append(peak)
             figures[f"{name}_s_min"] = round(min(walls), 3)
             figures[f"{name}_s_median"] = round(statistics.median(walls), 3)
+            figures[f"{name}_cpu_s_min"] = round(min(cpus), 3)
+            figures[f"{name}_cpu_s_median"] = round(statistics.median(cpus), 3)
             figures[f"{name}_peak_rss_mb"] = round(max(peaks), 1)
     print(json.dumps(figures))
 
