@@ -104,16 +104,18 @@ def run(cfg: Path, ids: list[str], out: Path, certs: Path, faults: list[Fault], 
         while time.monotonic() - t0 < limit_s:
             now = time.monotonic() - t0
             while pending and progress(out, [q for q in ids if q != pending[0].peer]) >= pending[0].at_round:
+                if any(g.peer == pending[0].peer for _, g in restore):
+                    break  # one fault at a time per peer: wait until it is back
                 f = pending.pop(0)
                 p = procs[f.peer]
                 if p.poll() is not None:
                     continue
                 f.fault_round = progress(out, [q for q in ids if q != f.peer])
                 if f.kind == "kill9":
-                    os.killpg(p.pid, signal.SIGKILL)
+                    _signal(p, signal.SIGKILL)
                     p.wait(10)
                 else:
-                    os.killpg(p.pid, signal.SIGSTOP)
+                    _signal(p, signal.SIGSTOP)
                 restore.append((now + f.down_s, f))
             for item in [x for x in restore if x[0] <= now]:
                 restore.remove(item)
@@ -122,19 +124,26 @@ def run(cfg: Path, ids: list[str], out: Path, certs: Path, faults: list[Fault], 
                 if f.kind == "kill9":
                     procs[f.peer] = start(cfg, f.peer, out, certs, logs)
                 else:
-                    os.killpg(procs[f.peer].pid, signal.SIGCONT)
+                    _signal(procs[f.peer], signal.SIGCONT)
             if not pending and not restore and all(p.poll() is not None for p in procs.values()):
                 break
             time.sleep(0.05)
     finally:
         for p in procs.values():
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGCONT)
-                os.killpg(p.pid, signal.SIGKILL)
+                _signal(p, signal.SIGCONT)
+                _signal(p, signal.SIGKILL)
                 p.wait(10)
     wall = time.monotonic() - t0
     failed = {pid: p.returncode for pid, p in procs.items() if p.returncode != 0}
     return Run(wall, {pid: read(out, pid) for pid in ids}, failed)
+
+
+def _signal(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def draw_faults(rng: random.Random, ids: list[str], n: int, rounds: int, timeout: float,
