@@ -288,8 +288,12 @@ def switch_algorithm(data: dict[str, Any], overrides: list[str] | None) -> tuple
         new_algo.pop(k)
     notes = []
     if dropped:
+        from p2pfl.algorithms.presets import presets_for
+
+        presets = presets_for(str(new_algo["name"]))
         notes.append(f"algorithm.name={new_algo['name']} (--set): dropped {file_algo.get('name')}'s "
-                     f"{', '.join(dropped)} from the file; {new_algo['name']} uses its own defaults")
+                     f"{', '.join(dropped)} from the file; {new_algo['name']} uses its own defaults"
+                     + (f" (its papers' presets: algorithm.preset={' | '.join(presets)})" if presets else ""))
     return out, notes
 
 
@@ -534,7 +538,7 @@ def _check_data(d: DataConfig, base: Path | None, check_files: bool) -> None:
     if required and d.partition.get(required) is None:
         raise ConfigError(f"the {kind} partition needs {required}", key=f"data.partition.{required}")
     if d.root is not None and check_files:
-        root = Path(resolve_path(d.root, base))
+        root = Path(d.root)  # the loader reads it as given (relative to the working directory)
         if not root.is_dir():
             raise ConfigError(f"folder {shorten(d.root)!r} does not exist" if not root.exists()
                               else f"{shorten(d.root)!r} is not a folder", key="data.root")
