@@ -113,17 +113,20 @@ class BatchedSimulation:
         seconds = time.perf_counter() - t0
         recs = []
         P = len(self.ids)  # noqa: N806
+        # one device-to-host copy per metric, not one per peer
+        per_peer: dict[str, list[float]] = {}
+        if evaluated:
+            per_peer.update(acc=acc.tolist(), loss=loss.tolist())
+        for k, v in train.items():
+            if isinstance(v, torch.Tensor):
+                per_peer[k] = v.tolist() if v.dim() else [float(v)] * P
+            elif isinstance(v, int | float):
+                per_peer[k] = [v] * P
+        if MU in self.state.scalars and self.algorithm.mode == "push":
+            per_peer["mu"] = self.state.scalars[MU].tolist()  # push-sum weight, as the Node records it
         for i, pid in enumerate(self.ids):
             rec: dict[str, Any] = {"round": r, "peer": pid}
-            if evaluated:
-                rec.update(acc=float(acc[i]), loss=float(loss[i]))
-            for k, v in train.items():
-                if isinstance(v, torch.Tensor):
-                    rec[k] = float(v[i]) if v.dim() else float(v)
-                elif isinstance(v, int | float):
-                    rec[k] = v
-            if MU in self.state.scalars and self.algorithm.mode == "push":
-                rec["mu"] = float(self.state.scalars[MU][i])  # push-sum weight, as the Node records it
+            rec.update({k: v[i] for k, v in per_peer.items()})
             rec.update(bytes_sent=traffic["sent"][i], bytes_recv=traffic["recv"][i],
                        consensus_dist=traffic["consensus"][i], missing=traffic["missing"][i],
                        train_seconds=t_train / P, seconds=seconds / P)
