@@ -102,7 +102,11 @@ class Deployment:
         ]
         self.compose_file = work / "docker-compose.yml"
         self.uid = 1000 if os.geteuid() == 0 else os.getuid()
-        self.env = {**os.environ, "P2PFL_UID": str(self.uid), "P2PFL_GID": str(self.uid if os.geteuid() else 1000)}
+        self.env = {**os.environ, "P2PFL_UID": str(self.uid), "P2PFL_GID": str(self.uid if os.geteuid() else 1000),
+                    # compose builds with the docker CLI, so its build shares the layer cache of
+                    # `docker build` (docker-compose 1.29's own builder tars the context differently);
+                    # the classic builder, as our engine has no buildx
+                    "COMPOSE_DOCKER_CLI_BUILD": "1", "DOCKER_BUILDKIT": "0"}
         self.up = False
 
     def p2pfl(self, *args: str) -> None:
