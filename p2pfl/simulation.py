@@ -168,8 +168,9 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
     _one_malloc_arena()
 
     def forward(msg: Message, remote: list[str]) -> None:
+        idx = None if msg.indices is None else msg.indices.detach().cpu().numpy().tobytes()  # top-k
         wire = (msg.sender, msg.round, msg.step, msg.topology_hash, msg.manifest,
-                msg.flat.detach().cpu().numpy().tobytes(), dict(msg.scalars))
+                msg.flat.detach().cpu().numpy().tobytes(), dict(msg.scalars), msg.compression, idx)
         for ww, count in Counter(assign[p] for p in remote).items():
             inboxes[ww].put((wire, count))
 
@@ -180,9 +181,10 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
             item = inboxes[w].get()
             if item is None:
                 return
-            (sender, r, step, th, manifest, raw, scalars), count = item
+            (sender, r, step, th, manifest, raw, scalars, comp, idx), count = item
             flat = torch.frombuffer(bytearray(raw), dtype=torch.float32).to(exp.device)
-            hub.put(Message(sender, r, step, th, manifest, flat, scalars), count)
+            indices = None if idx is None else torch.frombuffer(bytearray(idx), dtype=torch.int64).to(exp.device)
+            hub.put(Message(sender, r, step, th, manifest, flat, scalars, comp, indices), count)
 
     threading.Thread(target=bridge, name=f"bridge-{w}", daemon=True).start()
     models = ModelPool(exp.model_factory, 1)
