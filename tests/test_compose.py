@@ -292,12 +292,13 @@ def test_service_names() -> None:
 def test_bad_config_is_a_clean_error(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "p2pfl.cli", "compose", "--config", str(tmp_path / "nope.yaml"),
                           "--out", str(tmp_path / "c.yml")], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert res.returncode != 0 and "not found" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "not found" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "c.yml").exists()
     res = subprocess.run([sys.executable, "-m", "p2pfl.cli", "compose", "--config", str(EXAMPLE_CONFIG),
                           "--out", str(tmp_path / "c.yml"), "--gpus", "p0=0"], capture_output=True, text=True,
                          timeout=60, cwd=REPO)
-    assert res.returncode != 0 and "no device for" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "no device for" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1  # one line, the project's error style
     assert not (tmp_path / "c.yml").exists()
 
 

@@ -63,6 +63,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from p2pfl.badinput import BadInput
+
 if TYPE_CHECKING:
     from p2pfl.config import ExperimentConfig
     from p2pfl.topology import Topology
@@ -109,8 +111,10 @@ CA_CERT = "ca.crt"  # same names as p2pfl.security.certs writes (not imported: i
 _LABEL_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 
 
-class ComposeError(ValueError):
-    """The config cannot become a compose deployment; the message says why and what to do instead."""
+class ComposeError(BadInput):
+    """The config cannot become a compose deployment; the message says why and what to do instead.
+
+    A `BadInput`: the command line prints it on one line and exits 2, like every other bad input."""
 
 
 @dataclass(frozen=True)
@@ -535,16 +539,10 @@ def compose_command(
         help="build context: a checkout with docker/Dockerfile (default: this p2pfl checkout)")] = None,
 ) -> None:
     """Write a docker-compose.yml with one service per peer of CONFIG's topology (see docker/README.md)."""
-    from p2pfl.config import ConfigError
-    from p2pfl.topology import TopologyError
-
-    try:
-        dep = render_compose(config, out=out, gpus=gpus, sets=set, image=image, certs=certs, data=data,
-                             runs=runs, insecure=insecure, network=network, cpus=cpus, memory=memory,
-                             restarts=restarts, metrics_port=None if no_metrics else metrics_port, context=context)
-    except (ComposeError, ConfigError, TopologyError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    # Bad input (ComposeError, ConfigError, TopologyError: all BadInput) reaches the CLI's main(): one line, exit 2.
+    dep = render_compose(config, out=out, gpus=gpus, sets=set, image=image, certs=certs, data=data,
+                         runs=runs, insecure=insecure, network=network, cpus=cpus, memory=memory,
+                         restarts=restarts, metrics_port=None if no_metrics else metrics_port, context=context)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     if dep.topology_copy is not None:
