@@ -521,6 +521,9 @@ class PeerServer:
                         out[key[0]] = self._inbox.pop(key)
                         self._offers.pop(key, None)
                         self._decided[key] = True
+                # A sender already pushing a later round gave this one up (it keeps that share):
+                # do not wait for it, or a receiver one round behind would stay behind for good.
+                waited = {k for k in waited if not self._moved_on(k)}
                 left = deadline - time.monotonic()
                 if all(k[0] in out for k in waited) or self._stopping or left <= 0:
                     break
@@ -530,6 +533,11 @@ class PeerServer:
                     self._decided.setdefault(key, False)
             self._cond.notify_all()
             return out
+
+    def _moved_on(self, key: tuple[str, int, int]) -> bool:
+        """Whether the sender of ``key`` already pushed (or tried to push) a later round or step."""
+        j, r, s = key
+        return self._requested.get(j, -1) > r or any(k[0] == j and (k[1], k[2]) > (r, s) for k in self._inbox)
 
     def _offer_alive(self, key: tuple[str, int, int]) -> bool:
         """Whether the Push call offering ``key`` can still be told that it was mixed (with a margin)."""
