@@ -427,6 +427,19 @@ def test_cli_node_launch_certs_leave_nothing_behind(tmp_path: Path, monkeypatch:
                 monkeypatch, capsys)
     _assert_refused(res, "--certs: ca.crt, p0.crt, p0.key not found in nocerts")
     assert not (tmp_path / "nodeout").exists()
+    # an early runtime failure (its port is taken) exits 1 and leaves no empty --out either
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        topo = yaml.safe_load((tmp_path / "topology.yaml").read_text())
+        topo["peers"][0]["address"] = f"127.0.0.1:{busy.getsockname()[1]}"
+        (tmp_path / "busy.yaml").write_text(yaml.safe_dump(topo))
+        res = _main(["node", "-c", "config.yaml", "--set", "topology=busy.yaml", "--peer", "p0", "--out", "nodeout",
+                     "--insecure"], tmp_path, monkeypatch, capsys)
+    assert res.returncode == 1 and "cannot listen" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "nodeout").exists()
     topo = yaml.safe_load((tmp_path / "topology.yaml").read_text())
     topo["peers"][0]["id"] = "CA"
     topo["edges"] = [["CA", "p1"]]
