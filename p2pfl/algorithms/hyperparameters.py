@@ -92,7 +92,9 @@ def _fallback(default: Any) -> tuple[Any, str]:
         return _int(), "integer"
     if isinstance(default, float):
         return _float(), "number"
-    return type(default), type(default).__name__
+    if isinstance(default, str):
+        return str, "string"
+    return Any, "any"  # None, lists, mappings: the algorithm's validate() checks them
 
 
 def _algorithm_class(name: str) -> type:
