@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -57,8 +58,10 @@ def test_collect_copies_evidence_without_checkpoints(tmp_path: Path, monkeypatch
     name = rmd.folder(rmd.SWEEPS[0].files[0])
     cell = tmp_path / "runs" / name / "deprl-epochs__seed=0"
     simulate(load_config(tiny_config(tmp_path, rounds=1)), cell, progress=False)
+    shutil.copytree(cell, cell.with_name("dpsgd__seed=0"))
     evidence = tmp_path / "evidence"
-    assert rmd.collect(tmp_path / "runs", evidence) == [f"{name}/deprl-epochs__seed=0"]
+    assert rmd.collect(tmp_path / "runs", evidence) == [f"{name}/deprl-epochs__seed=0", f"{name}/dpsgd__seed=0"]
+    assert sorted(p.name for p in evidence.iterdir()) == [name]
     dst = evidence / name / "deprl-epochs__seed=0"
     assert sorted(p.name for p in dst.iterdir()) == ["avg_model.json", "config.yaml", "metrics.jsonl.gz",
                                                      "partition.json.gz", "summary.json"]

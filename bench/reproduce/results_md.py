@@ -154,8 +154,8 @@ def collect(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
                     (cell / "summary.json").read_bytes():
                 continue  # already collected
             dst.mkdir(parents=True, exist_ok=True)
-            for name in ("config.yaml", "summary.json"):
-                shutil.copyfile(cell / name, dst / name)
+            for file in ("config.yaml", "summary.json"):
+                shutil.copyfile(cell / file, dst / file)
             _gzip_copy(cell / "metrics.jsonl", dst / "metrics.jsonl.gz")
             if (cell / "partition.json").is_file():
                 _gzip_copy(cell / "partition.json", dst / "partition.json.gz")
@@ -474,7 +474,9 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
     doc += ["## SMOKE variant: Ring, π = 0.1, 10 rounds (not the protocol)", "",
             "Same peers, partition, batch and per-method settings as the Ring π = 0.1 protocol cells, but 10 rounds "
             "instead of 100 (and DisPFL's annealing over 10 rounds). It exists because one protocol run costs hours of "
-            "CPU here (see Cost); these numbers never stand in for Table 1 cells, and the curves are not flat.", ""]
+            "CPU here (see Cost); these numbers never stand in for Table 1 cells, and the curves are not flat. "
+            "x̄ is recorded for every run, but for DePRL and DisPFL it averages the personal heads / masks too: "
+            "it is not those papers' metric, only the DFedADMM / DFedSAM papers'.", ""]
     doc += md_table(["method", "ours (personalized, %, round 10)", "x̄ (%)", "paper (round ?, AlexNet)", "seeds",
                      "status"],
                     [[c["method"], fmt(c), "—" if c["avg_model"]["mean"] is None else f"{c['avg_model']['mean']:.2f}",
