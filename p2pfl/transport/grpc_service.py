@@ -190,6 +190,7 @@ class PeerServer:
         self.window = 2
         self._requested: dict[str, int] = {}  # per neighbour: the highest round it pulled or pushed
         self._given: dict[str, tuple[int, dict[int, EncodedPayload]]] = {}  # push mode: last round mixed by each
+        self._recovering: set[tuple[str, int, int]] = set()  # keys a restarted peer is asking its senders for
         self._round = 0
         self._served = 0
         self._pulls_served = 0
@@ -434,6 +435,15 @@ class PeerServer:
                 self._inbox[key] = (msg, nbytes)
                 self._cond.notify_all()
 
+    def recovering(self, key: tuple[str, int, int], active: bool) -> None:
+        """Mark ``key`` as being recovered after a restart (or no longer): `take` keeps waiting for it."""
+        with self._cond:
+            if active:
+                self._recovering.add(key)
+            else:
+                self._recovering.discard(key)
+            self._cond.notify_all()
+
     def close(self, key: tuple[str, int, int]) -> None:
         """Decide ``key`` "not mixed" ahead of `take` (its sender kept the share)."""
         with self._cond:
@@ -523,7 +533,7 @@ class PeerServer:
                         self._decided[key] = True
                 # A sender already pushing a later round gave this one up (it keeps that share):
                 # do not wait for it, or a receiver one round behind would stay behind for good.
-                waited = {k for k in waited if not self._moved_on(k)}
+                waited = {k for k in waited if not self._moved_on(k) and self._decided.get(k) is not False}
                 left = deadline - time.monotonic()
                 if all(k[0] in out for k in waited) or self._stopping or left <= 0:
                     break
@@ -536,6 +546,8 @@ class PeerServer:
 
     def _moved_on(self, key: tuple[str, int, int]) -> bool:
         """Whether the sender of ``key`` already pushed (or tried to push) a later round or step."""
+        if key in self._recovering:  # it may have moved on because it gave it: the recovery decides
+            return False
         j, r, s = key
         return self._requested.get(j, -1) > r or any(k[0] == j and (k[1], k[2]) > (r, s) for k in self._inbox)
 

@@ -341,10 +341,11 @@ class GrpcTransport(Transport):
         pushes = {k: self._pool.submit(self._push_checked, k, payload, deadline, tag) for k in plan.out_weights}
         self._pushes = list(pushes.values())
         keys = [(j, message.round, message.step) for j in plan.in_weights]
-        closed: set[str] = set()
         if message.round == self._resumed_round:
-            closed = self._recover(keys)
-        alive = [j for j in plan.in_weights if j not in closed and self._alive(j)]
+            for key in keys:  # answers land in the inbox (or close the key) while take waits
+                self.server.recovering(key, True)
+                self._pool.submit(self._recover_one, key, deadline)
+        alive = [j for j in plan.in_weights if self._alive(j)]
         got = self.server.take(keys, deadline, wait_for=alive)
         received = {j: got[j][0] for j in plan.in_weights if j in got}
         missing = [j for j in plan.in_weights if j not in got]
@@ -367,26 +368,23 @@ class GrpcTransport(Transport):
         return ExchangeResult(received=received, missing=missing, bytes_sent=self._take_sent(),
                               bytes_recv=recv, undelivered=undelivered)
 
-    def _recover(self, keys: list[tuple[str, int, int]]) -> set[str]:
-        """After a restart, before waiting for pushes of the resumed round: ask each sender (Pull, in
-        push mode) whether it had given this peer that round's push, which was then lost with the
-        uncheckpointed state. Given: recovered into the inbox. Kept by the sender (it moved past the
-        round without this peer mixing it): closed at once, not waited for. Returns the closed senders.
+    def _recover_one(self, key: tuple[str, int, int], deadline: float) -> None:
+        """After a restart, while waiting for the pushes of the resumed round: ask the sender (Pull,
+        in push mode) whether it had given this peer that round's push, then lost with the
+        uncheckpointed state. Given: recovered into the inbox. Kept by the sender (it moved past
+        the round without this peer mixing it): the key is closed, not waited for. Not decided
+        yet (NOT_FOUND): the push itself will come.
         """
-        def ask(key: tuple[str, int, int]) -> tuple[tuple[str, int, int], Message | None, int, str]:
-            msg, nbytes, why = self._pull_one(key[0], key[1], key[2], time.monotonic() + self.probe_s)
-            return key, msg, nbytes, why
-
-        closed: set[str] = set()
-        for key, msg, nbytes, why in self._pool.map(ask, keys):
+        try:
+            msg, nbytes, why = self._pull_one(key[0], key[1], key[2], deadline)
             if msg is not None:
                 log.warning("%s: recovered the round %d step %d push of %s lost in the restart",
                             self.peer_id, key[1], key[2], key[0])
                 self.server.deliver(key, msg, nbytes)
             elif why.startswith("ABORTED"):
                 self.server.close(key)
-                closed.add(key[0])
-        return closed
+        finally:
+            self.server.recovering(key, False)
 
     def _push_checked(self, peer: str, payload: EncodedPayload, deadline: float, tag: str) -> bool:
         key = (peer, int(payload.header.round), int(payload.header.step))
