@@ -19,6 +19,7 @@ the algorithm's hyperparameters (types, ranges, cross-field rules), model, datas
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
 import typing
@@ -545,11 +546,20 @@ def _check_data(d: DataConfig, base: Path | None, check_files: bool) -> None:
 
 
 def _check_topology(path: str) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"topology file {shorten(path)!r} not found", key="topology")
+    st = p.stat()
+    _topology_ok(path, str(p.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _topology_ok(path: str, resolved: str, mtime_ns: int, size: int) -> bool:
+    """Load once per file version (a sweep checks the same topology for every cell)."""
     from p2pfl.topology import load_topology
 
-    if not Path(path).is_file():
-        raise ConfigError(f"topology file {shorten(path)!r} not found", key="topology")
-    load_topology(path)  # TopologyError names the topology file itself
+    load_topology(path)  # TopologyError names the topology file itself (errors are not cached)
+    return True
 
 
 def resolve_preset(algo: dict[str, Any]) -> dict[str, Any]:

@@ -35,7 +35,6 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -44,7 +43,6 @@ import yaml
 
 from p2pfl.config import (
     ConfigError,
-    ExperimentConfig,
     apply_overrides,
     parse_config,
     resolve_path,
@@ -284,49 +282,6 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _check_cell(cfg: ExperimentConfig, cache: dict[str, str | None]) -> None:
-    """Checks parse_config leaves to run time but that cost nothing now: each distinct value once."""
-
-    def once(key: str, check: Callable[[], None]) -> None:
-        if key not in cache:
-            try:
-                check()
-                cache[key] = None
-            except Exception as exc:  # noqa: BLE001 - any failure refuses the cell, with its message
-                cache[key] = str(exc) or type(exc).__name__
-        reason = cache[key]
-        if reason is not None:
-            raise ConfigError(reason)
-
-    def topology() -> None:
-        from p2pfl.topology import load_topology
-
-        if not Path(cfg.topology).is_file():
-            raise ConfigError(f"topology file not found: {cfg.topology}")
-        load_topology(cfg.topology)
-
-    def algorithm() -> None:
-        from p2pfl.algorithms import ALGORITHMS, algorithm_class
-
-        name = cfg.algorithm_name
-        if name not in ALGORITHMS:
-            raise ConfigError(f"unknown algorithm {name!r} (known: {sorted(ALGORITHMS)})")
-        cls = algorithm_class(name)
-        unknown = set(cfg.hyperparameters()) - set(cls.defaults) - {"preset"}
-        if unknown:
-            raise ConfigError(f"{name}: unknown hyperparameters {sorted(unknown)} (allowed: {sorted(cls.defaults)})")
-
-    def model() -> None:
-        from p2pfl.models import model_names
-
-        if cfg.model["name"] not in model_names():
-            raise ConfigError(f"unknown model {cfg.model['name']!r} (known: {model_names()})")
-
-    once(f"topology:{cfg.topology}", topology)
-    once(f"algorithm:{_canon(cfg.algorithm)}", algorithm)
-    once(f"model:{cfg.model['name']}", model)
-
-
 def plan_cells(spec: SweepSpec, *, jobs: int = 1, cores: int | None = None) -> list[Cell]:
     """Expand the sweep into cells and validate every one; raise SweepError naming each bad cell.
 
@@ -348,7 +303,6 @@ def plan_cells(spec: SweepSpec, *, jobs: int = 1, cores: int | None = None) -> l
 
     cells: list[Cell] = []
     errors: list[str] = []
-    cache: dict[str, str | None] = {}
     for case in cases:
         for values in combos:
             pairs = list(spec.overrides) + list(case.overrides if case else ()) + list(values.items())
@@ -366,8 +320,7 @@ def plan_cells(spec: SweepSpec, *, jobs: int = 1, cores: int | None = None) -> l
                     workers = sim.get("workers", 2)
                     if isinstance(workers, int) and not isinstance(workers, bool):
                         data["simulation"] = {**sim, "workers": max(1, min(workers, per_job))}
-                cfg = parse_config(data, base=spec.base.parent)
-                _check_cell(cfg, cache)
+                cfg = parse_config(data, base=spec.base.parent)  # the whole experiment, topology file included
             except Exception as exc:  # noqa: BLE001 - e.g. a preset's module fails to import: refuse, say why
                 errors.append(f"cell {name}: {exc}")
                 continue
