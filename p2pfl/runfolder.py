@@ -100,39 +100,64 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def plot_accuracy(recs: list[dict[str, Any]], path: Path, title: str = "") -> None:
-    """Personalized accuracy per round over the peers: the mean, the min-max band and the quartile band.
-
-    One band, whatever the number of peers (128 lines would be unreadable and slow to draw). The
-    figure is drawn with the Agg canvas directly (no pyplot state, safe in threads) and laid out
-    with fixed margins: ``tight_layout`` renders the figure once more just to measure it.
-    """
+def _figure():  # noqa: ANN202 - matplotlib types stay a lazy import
+    """A figure on the Agg canvas (no pyplot state, safe in threads) and its one axis."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    rounds = per_round(recs)
-    if not rounds:
-        return
-    xs = [k + 1 for k in rounds]
-    cols = [sorted(v) for v in rounds.values()]
-    mean = [sum(v) / len(v) for v in cols]
     fig = Figure(figsize=(6, 4))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.fill_between(xs, [v[0] for v in cols], [v[-1] for v in cols], alpha=0.15, color="C0", linewidth=0,
-                    label="min-max over peers")
-    if max(len(v) for v in cols) >= 4:
+    return fig, fig.add_subplot()
+
+
+def _draw(ax, rounds: dict[int, list[float]], color: str, label: str, quartiles: bool) -> None:  # noqa: ANN001
+    """One series: the mean over peers per round, its min-max band and (optionally) its quartile band."""
+    xs = [k + 1 for k in rounds]
+    cols = [sorted(v) for v in rounds.values()]
+    ax.fill_between(xs, [v[0] for v in cols], [v[-1] for v in cols], alpha=0.15, color=color, linewidth=0,
+                    label="min-max over peers" if quartiles else None)
+    if quartiles and max(len(v) for v in cols) >= 4:
         ax.fill_between(xs, [_quantile(v, 0.25) for v in cols], [_quantile(v, 0.75) for v in cols], alpha=0.3,
-                        color="C0", linewidth=0, label="25-75% of peers")
-    ax.plot(xs, mean, color="C0", marker="o" if len(xs) <= 30 else None, markersize=3,
-            label="mean personalized accuracy")
+                        color=color, linewidth=0, label="25-75% of peers")
+    ax.plot(xs, [sum(v) / len(v) for v in cols], color=color, marker="o" if len(xs) <= 30 else None,
+            markersize=3, label=label)
+
+
+def _save(fig, ax, path: Path, title: str) -> None:  # noqa: ANN001
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
+    # fixed margins: ``tight_layout`` renders the figure once more just to measure it
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.92)
     fig.savefig(path, dpi=110)
+
+
+def plot_accuracy(recs: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Personalized accuracy per round over the peers: the mean, the min-max band and the quartile band.
+
+    One band, whatever the number of peers (128 lines would be unreadable and slow to draw).
+    """
+    rounds = per_round(recs)
+    if not rounds:
+        return
+    fig, ax = _figure()
+    _draw(ax, rounds, "C0", "mean personalized accuracy", quartiles=True)
+    _save(fig, ax, path, title)
+
+
+def plot_comparison(series: dict[str, list[dict[str, Any]]], path: Path, title: str = "") -> None:
+    """Several runs on one plot (``p2pfl compare``): each run's mean accuracy per round and min-max band."""
+    fig, ax = _figure()
+    drawn = 0
+    for i, (label, recs) in enumerate(series.items()):
+        rounds = per_round(recs)
+        if rounds:
+            _draw(ax, rounds, f"C{i % 10}", f"{label} (mean, min-max band)", quartiles=False)
+            drawn += 1
+    if drawn:
+        _save(fig, ax, path, title)
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:

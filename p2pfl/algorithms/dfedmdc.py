@@ -103,4 +103,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Appendix B.2, pathological splits: head 5 epochs.
     "dfedmdc-paper-path": {**_PAPER, "head_local": 5},
     "dfedsmdc-paper-path": {**_PAPER, "head_local": 5, "rho": 0.7, "sam_on": "body"},
+    # `make demo` (peers/demo.yaml: 8-peer ring, Fashion-MNIST Dirichlet 0.3, 8 rounds): one epoch each
+    # of head and body with the demo's plain SGD, so the comparison with local/dfedavg fits its time.
+    "dfedmdc-demo": {"lr_body": 0.05, "lr_head": 0.05, "body_local": 1, "head_local": 1, "local_unit": "epochs",
+                     "momentum": 0.0, "weight_decay": 5e-4, "lr_decay": 0.998},
 }
