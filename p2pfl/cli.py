@@ -208,6 +208,38 @@ def launch(config: ConfigOpt, out: Annotated[Path | None, typer.Option(help="run
 
 
 @app.command()
+def compare(config: ConfigOpt,
+            algorithms: Annotated[str, typer.Option(help="comma-separated NAME or NAME:PRESET, e.g. "
+                                                    "local,dfedavg,dfedmdc:dfedmdc-demo")],
+            out: Annotated[Path | None, typer.Option(help="folder: one run folder per algorithm + comparison.png")]
+            = None,
+            rounds: Annotated[int | None, typer.Option(help="override rounds")] = None, set: SetOpt = None,
+            quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")] = False,
+            verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
+    """Simulate several algorithms on CONFIG's experiment (same topology, split, model, seed); one plot."""
+    _setup_logging(verbose)
+    from p2pfl.compare import compare as run_compare
+    from p2pfl.compare import parse_algorithms, summary_line
+
+    entries = parse_algorithms(algorithms)
+    sets = [*(set or []), *([f"rounds={rounds}"] if rounds is not None else [])]
+    cfg = _load(config, sets)
+    run_dir = out or default_run_dir(cfg.name, "compare")
+    width = max(len(e.label) for e in entries)
+    try:
+        with _no_leftovers(run_dir):
+            run_compare(config, entries, run_dir, sets=sets, progress=not quiet,
+                        on_result=lambda row: typer.echo(summary_line(row, width)))
+    except BadInput as exc:
+        _locate(exc, config)
+        raise
+    except (ValueError, RuntimeError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"plot: {run_dir / 'comparison.png'}  (one run folder per algorithm in {run_dir})")
+
+
+@app.command()
 def certs(config: ConfigOpt, out: Annotated[Path, typer.Option(help="folder for ca.crt and <peer>.crt/.key")],
           host: Annotated[list[str] | None, typer.Option(help="extra SAN host/IP for every peer (repeatable)")] = None,
           ca_key_dir: Annotated[Path | None, typer.Option(
