@@ -11,7 +11,9 @@ the others finish theirs.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from p2pfl.algorithms import ALGORITHMS, algorithm_class
 from p2pfl.algorithms.base import TrainContext
 from p2pfl.algorithms.local_sgd import Phase
 from p2pfl.config import ConfigError, load_config
+from p2pfl.engine import context
 from p2pfl.engine.batched import BatchedSimulation
 from p2pfl.experiment import Experiment
 from p2pfl.simulation import simulate
@@ -63,12 +66,32 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(a.astype(np.float64)), 1e-30))
 
 
+@pytest.fixture(scope="module")
+def exact_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, dict], tuple[dict, list[dict]]]:
+    """The exact engine's run of a case, computed once for both batched variants."""
+    done: dict[str, tuple[dict, list[dict]]] = {}
+
+    def get(name: str, extra: dict) -> tuple[dict, list[dict]]:
+        key = f"{name}-{sorted(extra.items())}"
+        if key not in done:
+            tmp = tmp_path_factory.mktemp(name)
+            done[key] = _run(tmp, _algorithm(name, extra), "exact", extra.get("mix_mode") == "push")
+        return done[key]
+
+    return get
+
+
+#: The batched engine vmaps the peers on a GPU and loops over them on a CPU: both are checked here
+#: (``vmap`` on this CPU stands in for the GPU path) for every algorithm.
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("vectorize", [True, False], ids=["vmap", "loop"])
 @pytest.mark.parametrize("name, extra", CASES, ids=[f"{n}{'-push' if e else ''}" for n, e in CASES])
-def test_batched_equals_exact(tmp_path: Path, name: str, extra: dict) -> None:
+def test_batched_equals_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exact_runs: Any, name: str,
+                              extra: dict, vectorize: bool) -> None:
+    monkeypatch.setattr(context, "VECTORIZE", vectorize)
     algorithm = _algorithm(name, extra)
     push = extra.get("mix_mode") == "push"
-    exact, exact_recs = _run(tmp_path, algorithm, "exact", push)
+    exact, exact_recs = exact_runs(name, extra)
     batched, batched_recs = _run(tmp_path, algorithm, "batched", push)
 
     assert sorted(exact) == sorted(batched) == [f"p{i}" for i in range(PEERS)]

@@ -20,6 +20,7 @@ from p2pfl.algorithms import local_sgd
 from p2pfl.algorithms.base import TrainContext
 from p2pfl.algorithms.local_sgd import Phase
 from p2pfl.config import load_config
+from p2pfl.engine import context
 from p2pfl.experiment import Experiment
 from p2pfl.simulation import simulate
 from tests.conftest import tiny_config
@@ -28,7 +29,6 @@ DATA = {"dataset": "synthetic", "partition": {"kind": "dirichlet_per_class", "pi
         "params": {"num_classes": 4, "train_size": 400, "test_size": 200, "shape": [1, 8, 8], "seed": 1}}
 CASES = {
     "deprl": {"name": "deprl", "lr_head": 0.05, "lr_body": 0.05, "tau": 8},  # 8 x 16 > a peer's ~100 samples
-    "deprl-epochs": {"name": "deprl", "tau": 2, "tau_unit": "epochs", "lr_head": 0.05},
     "dfedmdc": {"name": "dfedmdc", "head_local": 2, "body_local": 1, "lr_head": 0.05},
     "dfedsmdc-head-sam": {"name": "dfedsmdc", "head_local": 2, "body_local": 1, "lr_head": 0.05, "sam_on": "both"},
     "dfedpgp": {"name": "dfedpgp", "head_local": 1.5, "body_local": 1},
@@ -37,10 +37,11 @@ CASES = {
 
 def _run(tmp_path: Path, algorithm: dict, engine: str, cache: bool, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(local_sgd, "FROZEN_BODY_CACHE", cache)
+    monkeypatch.setattr(context, "VECTORIZE", engine == "batched-vmap")  # vmap: the GPU path, here on a CPU
     folder = tmp_path / f"{engine}-{cache}"
     folder.mkdir()
     cfg = load_config(tiny_config(folder, peers=4, rounds=3, algorithm=algorithm, data=DATA,
-                                  simulation={"workers": 1, "engine": engine}))
+                                  simulation={"workers": 1, "engine": engine.split("-")[0]}))
     simulate(cfg, folder / "run", progress=False)
     params = {}
     for f in sorted((folder / "run" / "checkpoints").glob("*.npz")):
@@ -51,7 +52,7 @@ def _run(tmp_path: Path, algorithm: dict, engine: str, cache: bool, monkeypatch:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("engine", ["exact", "batched"])
+@pytest.mark.parametrize("engine", ["exact", "batched-loop", "batched-vmap"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cached_head_phase_equals_the_uncached_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str,
                                                    engine: str) -> None:

@@ -37,8 +37,9 @@ from p2pfl.config import ExperimentConfig
 from p2pfl.data.loader import PeerData
 from p2pfl.engine.context import BatchedContext
 from p2pfl.experiment import Experiment
+from p2pfl.messages import Message
 from p2pfl.runfolder import MetricsWriter, plot_accuracy, sort_metrics, summarize, write_inputs, write_summary
-from p2pfl.transport.memory import HEADER_BYTES
+from p2pfl.wire.codec import wire_size
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,12 @@ class BatchedSimulation:
         self.index = {pid: i for i, pid in enumerate(self.ids)}
         nodes = [exp.make_node(pid, transport=None, models=None, record=record,  # type: ignore[arg-type]
                                run_dir=None) for pid in self.ids]
+        if any(n.pipeline is not None for n in nodes):
+            raise BatchedEngineError("simulation.engine 'batched' applies neither wire.compression nor "
+                                     "faults.byzantine; use engine 'exact'")
         self.algorithm: Algorithm = nodes[0].algorithm
+        self.topology_hash = self.topology.hash()
+        self.chunk_bytes = int(self.cfg.network.chunk_kb) * 1024
         self.generators = [n.generator for n in nodes]
         self.state = stack_states([n.state for n in nodes])
         part = exp.partition
@@ -160,16 +166,16 @@ class BatchedSimulation:
             ok_list = ok.tolist()  # a non-finite payload is refused by its receivers, as on the wire
             weights = torch.zeros(P, P, dtype=torch.float64)
             arrived = torch.zeros(P, P, dtype=torch.float64)
-            size = own.shape[1] * own.element_size() + HEADER_BYTES
+            size = self._wire_sizes(r, step, own, scal)
             for i, plan in enumerate(plans):
                 weights[i, i] = plan.self_weight
-                sent[i] += size * len(plan.out_weights)
+                sent[i] += size[i] * len(plan.out_weights)
                 for j, w in plan.in_weights.items():
                     jj = self.index[j]
                     if ok_list[jj]:
                         weights[i, jj] = w
                         arrived[i, jj] = 1.0
-                        recv[i] += size
+                        recv[i] += size[jj]
                     else:
                         missing[i].add(j)
             weights, arrived = weights.to(device), arrived.to(device)
@@ -182,6 +188,14 @@ class BatchedSimulation:
                 consensus = torch.where(count.squeeze(1) > 0, dist, torch.zeros_like(dist)).tolist()
             algo.combine_stacked(self.state, r, step, own, scal, weights)
         return {"sent": sent, "recv": recv, "consensus": consensus, "missing": [sorted(m) for m in missing]}
+
+    def _wire_sizes(self, r: int, step: int, own: torch.Tensor, scalars: dict[str, torch.Tensor]) -> list[int]:
+        """Each peer's payload size as the gRPC codec would put it on the wire (what the exact engine counts)."""
+        specs = self.algorithm.wire_specs()
+        values = {k: v.tolist() for k, v in scalars.items()}
+        return [wire_size(Message(pid, r, step, self.topology_hash, specs, own[i],
+                                  {k: float(v[i]) for k, v in values.items()}), self.chunk_bytes)
+                for i, pid in enumerate(self.ids)]
 
     def _sync(self) -> None:
         if self.state.params.device.type == "cuda":

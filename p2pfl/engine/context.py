@@ -3,7 +3,8 @@
 It offers what ``TrainContext`` offers the algorithms (``train(block, phase)``, ``gradients``,
 ``layout``, ``batched``), so each algorithm's ``local_update`` runs unchanged on a stack of peers:
 one forward/backward for all peers per step (``torch.func.vmap`` over ``functional_call`` with
-``grad``), then the shared update rules of ``p2pfl.algorithms.rules`` on the stacked tensors.
+``grad``; on a CPU a loop over the peers instead, see ``_per_peer``), then the shared update
+rules of ``p2pfl.algorithms.rules`` on the stacked tensors.
 
 Each peer draws its minibatches from its own generator through ``position_batches``, exactly the
 draws of the exact engine. Peers whose data differ in size take different numbers of steps: a
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten, tree_map
 
 from p2pfl.algorithms.local_sgd import (
     GradTerm,
@@ -40,6 +42,8 @@ from p2pfl.models.layout import ParamLayout
 
 #: Most samples one vectorized evaluation forward holds (peers x rows), to bound memory.
 EVAL_ROWS = 8192
+#: ``vmap`` the peers (True) or loop over them (False); None: vmap on a GPU, loop on a CPU.
+VECTORIZE: bool | None = None
 
 
 def _weighted_ce(logits: Tensor, y: Tensor, w: Tensor) -> Tensor:
@@ -103,7 +107,8 @@ class BatchedContext:
             return out, out.detach()
 
         # one forward/backward for every peer: vmap over the peer dimension of all arguments
-        self._grad = vmap(grad(loss, has_aux=True))
+        self.vectorize = device.type != "cpu" if VECTORIZE is None else VECTORIZE
+        self._grad = self._per_peer(grad(loss, has_aux=True))
         self.cache_frozen: bool | None = None  # as TrainContext.cache_frozen
         if can_represent(self.model):
             body, head = _Represent(self.model), self.model.head()  # type: ignore[operator]
@@ -111,12 +116,13 @@ class BatchedContext:
             def represent(p: dict[str, Tensor], x: Tensor) -> Tensor:
                 return functional_call(body, {"m." + k: v for k, v in p.items()}, (x,))
 
+
             def head_loss(p: dict[str, Tensor], f: Tensor, y: Tensor, w: Tensor):
                 out = _weighted_ce(functional_call(head, p, (f,)), y, w)
                 return out, out.detach()
 
-            self._represent = vmap(represent)
-            self._head_grad = vmap(grad(head_loss, has_aux=True))
+            self._represent = self._per_peer(represent, trim=False)
+            self._head_grad = self._per_peer(grad(head_loss, has_aux=True))
 
     # -- what algorithms call -------------------------------------------------------------------
     def train(self, block: str, phase: Phase, *, grad_term: GradTerm | None = None,
@@ -181,6 +187,16 @@ class BatchedContext:
         loss_sum = torch.zeros(self.num_peers, dtype=torch.float64, device=self.device)
         correct = torch.zeros(self.num_peers, dtype=torch.float64, device=self.device)
         width = max(1, EVAL_ROWS // max(1, self.num_peers))
+        if not self.vectorize:  # per peer, its own test batches (as PeerApp.evaluate)
+            for i, d in enumerate(self.datas):
+                own = {k: v[i] for k, v in params.items()}
+                for x, y in d.test_batches():
+                    out = functional_call(self.model, own, (x.to(self.device), ))
+                    y = y.to(self.device)
+                    loss_sum[i] += F.cross_entropy(out, y, reduction="sum").double()
+                    correct[i] += (out.argmax(1) == y).sum().double()
+            n = torch.tensor(counts, dtype=torch.float64, device=self.device).clamp(min=1.0)
+            return loss_sum / n, correct / n
 
         def forward(p: dict[str, Tensor], x: Tensor) -> Tensor:
             return functional_call(self.model, p, (x,))
@@ -198,6 +214,32 @@ class BatchedContext:
         return loss_sum / n, correct / n
 
     # -- internals ------------------------------------------------------------------------------
+    def _per_peer(self, fn: Any, trim: bool = True) -> Any:
+        """``fn`` over the leading peer dimension of every argument: ``vmap`` on a GPU (one kernel
+        per op for all peers); on a CPU a loop over the peers, stacked (measured: a vmapped small
+        CNN runs its grouped convolutions and pooling several times slower than per-peer ones on
+        a CPU, where arithmetic, not launches, is the limit)."""
+        if self.vectorize:
+            return vmap(fn)
+
+        def looped(*args: Any) -> Any:
+            # ``trim``: the last three arguments are a padded batch (inputs, labels, weights): each
+            # peer computes on its real rows only, and a peer with none (its phase is over) on nothing
+            n = tree_flatten(args)[0][0].shape[0]
+            outs: list[Any] = []
+            for i in range(n):
+                own = tree_map(lambda t, i=i: t[i], args)
+                if not trim:
+                    outs.append(fn(*own))
+                    continue
+                rows = int(own[-1].sum())
+                outs.append(fn(*own[:-3], *(t[:rows] for t in own[-3:])) if rows else None)
+            done = next(o for o in outs if o is not None)
+            outs = [tree_map(torch.zeros_like, done) if o is None else o for o in outs]
+            return tree_map(lambda *xs: torch.stack(xs), *outs)
+
+        return looped
+
     def _lockstep(self, phase: Phase) -> Iterator[list[Tensor | None]]:
         """Each step, every peer's next minibatch positions (None once its phase has ended)."""
         iters = [position_batches(d, g, **phase.work()) for d, g in zip(self.datas, self.generators, strict=True)]
