@@ -400,14 +400,17 @@ def _assert_refused(res: subprocess.CompletedProcess, needle: str) -> None:
     assert "Traceback" not in res.stderr + res.stdout
 
 
-def test_cli_simulate_refuses_bad_lr_and_writes_nothing(tmp_path: Path) -> None:
+def test_cli_simulate_refuses_bad_lr_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
     tiny_config(tmp_path)
     res = _p2pfl("simulate", "-c", "config.yaml", "--out", "run", "--set", "algorithm.lr=1e400", cwd=tmp_path)
     _assert_refused(res, "--set: algorithm.lr: must be a finite number, got inf")
     assert not (tmp_path / "run").exists()
-    debug = _p2pfl("simulate", "-c", "config.yaml", "--out", "run", "--set", "algorithm.lr=1e400", "--debug",
-                   cwd=tmp_path)
+    monkeypatch.setenv("P2PFL_DEBUG", "0")  # restored after the test (--debug sets it for child processes)
+    debug = _main(["simulate", "-c", "config.yaml", "--out", "run", "--set", "algorithm.lr=1e400", "--debug"],
+                  tmp_path, monkeypatch, capsys)
     assert debug.returncode == 2 and "Traceback" in debug.stderr and not (tmp_path / "run").exists()
+    assert debug.stderr.strip().splitlines()[-1].startswith("error: --set: algorithm.lr")
 
 
 def test_cli_simulate_partition_refused_after_data_load_leaves_no_folder(tmp_path: Path) -> None:
