@@ -116,7 +116,6 @@ class BatchedContext:
             def represent(p: dict[str, Tensor], x: Tensor) -> Tensor:
                 return functional_call(body, {"m." + k: v for k, v in p.items()}, (x,))
 
-
             def head_loss(p: dict[str, Tensor], f: Tensor, y: Tensor, w: Tensor):
                 out = _weighted_ce(functional_call(head, p, (f,)), y, w)
                 return out, out.detach()
