@@ -122,12 +122,17 @@ def _check_deployment(compose_file: Path, ids: list[str]) -> dict[str, Any]:
         assert svc["restart"] == "on-failure:3"  # bounded: a peer that crashes at every start gives up
         assert svc["cpus"] > 0 and svc["mem_limit"]
         assert svc["healthcheck"]["test"] == ["CMD", "p2pfl-entrypoint", "--healthcheck"]
-        assert svc["build"]["dockerfile"] == "docker/Dockerfile"
-        assert (base / svc["build"]["context"] / "docker" / "Dockerfile").is_file()
         assert "depends_on" not in svc  # cyclic graphs: peers wait for each other instead
         assert svc["command"][-2:] == ["--set", f"topology={IN_TOPOLOGY}"]
     assert doc["x-p2pfl"]["topology_hash"] == topo.hash()
     assert "version" not in doc  # obsolete in the Compose Specification
+    # one service builds the image (compose would build it once per service), all run it by its tag
+    builders = [name for name, svc in services.items() if "build" in svc]
+    assert builders == [sorted(services)[0]]
+    build = services[builders[0]]["build"]
+    assert build["dockerfile"] == "docker/Dockerfile"
+    assert (base / build["context"] / "docker" / "Dockerfile").is_file()
+    assert len({svc["image"] for svc in services.values()}) == 1
     return doc
 
 
@@ -193,7 +198,7 @@ def test_gpus_give_each_peer_its_own_device_and_validate(tmp_path: Path) -> None
                for d in devs.values())
     for svc in resolved["services"].values():
         assert svc["image"] == "p2pfl:cuda"
-        assert svc["build"]["args"]["TORCH_INDEX"].startswith("https://download.pytorch.org/whl/cu")
+    assert resolved["services"]["peer-p0"]["build"]["args"]["TORCH_INDEX"].startswith("https://download.pytorch.org/whl/cu")
     # fewer GPUs than peers: round-robin; an explicit list; an explicit mapping; every GPU for every peer
     two = _devices(yaml.safe_load(render_compose(EXAMPLE_CONFIG, out=out, gpus="2").text))
     assert [two[p][0]["device_ids"] for p in ("p0", "p1", "p2", "p3")] == [["0"], ["1"], ["0"], ["1"]]
@@ -204,8 +209,8 @@ def test_gpus_give_each_peer_its_own_device_and_validate(tmp_path: Path) -> None
     every = _devices(yaml.safe_load(render_compose(EXAMPLE_CONFIG, out=out, gpus="all").text))
     assert all(d == [{"capabilities": ["gpu"], "count": "all", "driver": "nvidia"}] for d in every.values())
     plain = yaml.safe_load(render_compose(EXAMPLE_CONFIG, out=out).text)
-    assert all("deploy" not in s and s["image"] == "p2pfl:cpu" and "args" not in s["build"]
-               for s in plain["services"].values())
+    assert all("deploy" not in s and s["image"] == "p2pfl:cpu" for s in plain["services"].values())
+    assert "args" not in plain["services"]["peer-p0"]["build"]
     for bad, msg in (("p0=0", "no device for"), ("p9=0,p0=0,p1=0,p2=0,p3=0", "unknown peers"), ("0,0", "distinct"),
                      ("x", "expected all, auto"), ("0", "at least 1")):
         with pytest.raises(ComposeError, match=msg):
@@ -232,7 +237,7 @@ def test_host_network_keeps_loopback_addresses_and_validates(tmp_path: Path) -> 
         assert svc["environment"]["P2PFL_METRICS_PORT"] == str(47200 + i)
         assert svc["environment"]["P2PFL_METRICS_HOST"] == "127.0.0.1"
         assert svc["restart"] == "on-failure:5" and svc["cpus"] == 0.5 and svc["mem_limit"] in ("1g", 1073741824)
-        assert svc["build"]["network"] == "host"
+    assert doc["services"]["peer-p0"]["build"]["network"] == "host"
     mounted = _bind_sources(doc["services"]["peer-p0"], out.parent)[IN_TOPOLOGY]
     assert [p.address for p in load_topology(mounted).peers] == [f"127.0.0.1:{47100 + i}" for i in range(4)]
     # the regeneration command in the header reproduces the file

@@ -26,9 +26,10 @@ Decisions (the user-facing version is in ``docker/README.md``):
   ``--network host``: every container on the host's network (``network_mode: host``), the topology's
   own addresses as they are (e.g. ``127.0.0.1:5005x``, distinct ports), for machines where containers
   may not route private address ranges, and for one-host benchmarks.
-* **Resources.** Every service has CPU and memory limits (``--cpus``, ``--memory``), a build section
-  (``docker compose build`` makes the image from this checkout) and a healthcheck on the peer's gRPC
-  health service that imports neither torch nor Flower (``python -m p2pfl.health``).
+* **Resources.** Every service has CPU and memory limits (``--cpus``, ``--memory``) and a healthcheck on the peer's gRPC
+  health service that imports neither torch nor Flower (``python -m p2pfl.health``). The first service
+  has the build section (``docker compose build`` / ``up --build`` make the image from this checkout);
+  the others run the same image by its tag, so compose builds it once, not once per peer.
 * **GPUs** (``--gpus``): one device per peer, round-robin over the listed (or counted, or detected)
   devices, or an explicit ``peer=device`` mapping; ``all`` gives every peer every GPU.
 * **Metrics.** Each peer serves Prometheus ``/metrics`` on its own port (``--metrics-port`` base +
@@ -421,8 +422,6 @@ def render_compose(
             "user": USER,
             "volumes": volumes,
         }
-        if build is not None:
-            svc["build"] = dict(build)
         if network == "host":
             svc["network_mode"] = "host"
         else:
@@ -444,6 +443,12 @@ def render_compose(
                 dev["device_ids"] = [gpu_of[peer.id]]
             svc["deploy"] = {"resources": {"reservations": {"devices": [dev]}}}
         services[name] = _sorted(svc)
+
+    if build is not None:
+        # One service builds the image all of them run: compose would otherwise build it once per
+        # service (docker-compose 1.29 does), and with `up` the others find it by its tag.
+        first = sorted(services)[0]
+        services[first] = _sorted({**services[first], "build": build})
 
     options: list[str] = []
     if gpus:
