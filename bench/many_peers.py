@@ -10,8 +10,8 @@ load on a shared machine:
 * ``batched``: the same `simulate` with ``simulation.engine=batched`` (every peer a row of stacked
   tensors, one vmapped forward/backward per local step, one matrix product per gossip step; on a
   CPU it uses ``workers`` torch threads in one process).
-* ``loop``: the limit. ``workers`` processes x 1 torch thread, peer i on process i mod W as in the
-  simulation; every peer's flat parameters in one shared-memory tensor (double buffered), one
+* ``loop``: the limit. ``workers`` processes x 1 torch thread, peer i on process i * W // N as in
+  the simulation; every peer's flat parameters in one shared-memory tensor (double buffered), one
   model per process whose parameters are views of a peer's row; per round each process runs its
   peers' local SGD steps (same batches: the peer's own generator, same sampling), a barrier, the
   ring mixing of its peers' rows (the topology's Metropolis weights), evaluation on the same
@@ -237,7 +237,7 @@ def _loop_worker(w: int, nworkers: int, exp: Any, flat: Any, mix: list[list[tupl
 
     torch.set_num_threads(1)
     ids = list(exp.topology.ids)
-    mine = [i for i in range(len(ids)) if i % nworkers == w]
+    mine = [i for i in range(len(ids)) if i * nworkers // len(ids) == w]
     model = exp.model_factory()
     specs = [(p, s.offset, s.numel, s.shape) for s in exp.layout.specs
              for name, p in model.named_parameters() if name == s.name]

@@ -1,6 +1,8 @@
 """Single-host simulation: every peer of the config on this machine, through the same Node loop.
 
-Peers are spread over ``workers`` processes (peer i -> worker i mod W), each with one torch
+Peers are spread over ``workers`` processes in contiguous blocks of indices (peer i -> worker
+i * W // N: generated graphs join nearby indices, so a ring's or a grid's messages mostly stay in
+their worker instead of all crossing the bridge, as with i mod W), each with one torch
 thread and one model object that its peers borrow in turn: this keeps every core busy on
 training (threads in one process would fight over the GIL). Inside a worker each peer runs its
 Node in a thread with an in-memory transport; messages for peers in other workers cross a
@@ -66,7 +68,7 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
     workers = max(1, min(cfg.workers, len(ids)))
     if exp.device.type == "cuda":
         workers = 1  # CUDA does not survive fork; one process drives the GPU
-    assign = {pid: i % workers for i, pid in enumerate(ids)}
+    assign = {pid: i * workers // len(ids) for i, pid in enumerate(ids)}
     groups = [[p for p in ids if assign[p] == w] for w in range(workers)]
 
     writer = MetricsWriter(run_dir / "metrics.jsonl", truncate=start == 0)
