@@ -545,11 +545,11 @@ class PeerServer:
             return out
 
     def _moved_on(self, key: tuple[str, int, int]) -> bool:
-        """Whether the sender of ``key`` already pushed (or tried to push) a later round or step."""
+        """Whether the sender of ``key`` already offers a later round or step (a push waiting here)."""
         if key in self._recovering:  # it may have moved on because it gave it: the recovery decides
             return False
         j, r, s = key
-        return self._requested.get(j, -1) > r or any(k[0] == j and (k[1], k[2]) > (r, s) for k in self._inbox)
+        return any(k[0] == j and (k[1], k[2]) > (r, s) for k in self._inbox)
 
     def _offer_alive(self, key: tuple[str, int, int]) -> bool:
         """Whether the Push call offering ``key`` can still be told that it was mixed (with a margin)."""
