@@ -4,7 +4,7 @@ The demo experiment (``peers/demo.yaml``: 8 peers on a ring, Fashion-MNIST, cnn_
 Dirichlet 0.3), shortened with ``--rounds`` and ``--samples`` (training samples per peer) to fit a
 shared machine. Attackers are ``p1`` then ``p5`` (never neighbours, so every honest peer of the ring
 has at most one bad in-neighbour: what median / trimmed mean over 3 inputs tolerate); they send
-their model scaled by ``--scale`` (``faults.byzantine`` kind ``scaled``; -1 = a sign flip). Each
+their model scaled by ``--scale`` (default -20; ``faults.byzantine`` kind ``scaled``; -1 = a sign flip). Each
 run is ``p2pfl simulate`` (exact engine), the mean final accuracy over the honest peers.
 
 Figures: ``acc[rule][attackers]``, ``drop[rule][attackers]`` = acc with 0 attackers - acc with k,
@@ -58,7 +58,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--samples", type=int, default=600)
-    ap.add_argument("--scale", type=float, default=-4.0)
+    ap.add_argument("--scale", type=float, default=-20.0)
     ap.add_argument("--rules", default="none,median,trimmed_mean,clipped")
     ap.add_argument("--clip-radius", type=float, default=1.0)
     args = ap.parse_args()
