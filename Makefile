@@ -30,7 +30,7 @@ data: $(STAMP)
 	if [ ! -f $(FMNIST) ]; then $(BIN)/python -c "from p2pfl.data.datasets import download_fashion_mnist; download_fashion_mnist()"; fi
 
 demo: data
-	$(BIN)/p2pfl simulate --config peers/demo.yaml --out runs/demo
+	$(BIN)/p2pfl compare --config peers/demo.yaml --algorithms local,dfedavg,dfedmdc:dfedmdc-demo --out runs/demo
 
 # docker-compose validates the generated compose files in tests/test_compose.py: installed with apt when
 # it is missing and apt is available as root (a fresh CI machine), so those tests run instead of skipping.
