@@ -143,7 +143,8 @@ class Node:
             return  # push-sum replays its resumed round first: it may recover a push lost in the restart
         plan = self.topology.plan(self.peer_id, self.state.round, 0, seed=self.seed, mode=self.algorithm.mode)
         needs_me = plan.out_weights if plan.mode == "pull" else plan.in_weights
-        target = max((asked[p] for p in needs_me if p in asked), default=-1)
+        # The least advanced of them: one that still waits for this round gets it replayed.
+        target = min((asked[p] for p in needs_me if p in asked), default=-1)
         if self.state.round < target < self.rounds:
             log.warning("%s: a neighbour is already at round %d; fast-forwarding from round %d",
                         self.peer_id, target, self.state.round)
