@@ -145,7 +145,12 @@ class Deployment:
 
     def down(self) -> None:
         if self.up:
-            self.compose("down", "--volumes", "--remove-orphans", "--timeout", "10", timeout=180, check=False)
+            self.compose("down", "--volumes", "--remove-orphans", "--timeout", "10", timeout=300, check=False)
+            # containers whose creation outlived compose's HTTP timeout appear after `down`: remove by label
+            left = run(["docker", "ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={self.project}"],
+                       timeout=60, check=False).stdout.split()
+            if left:
+                run(["docker", "rm", "-f", "-v", *left], timeout=300, check=False)
             self.up = False
 
 
