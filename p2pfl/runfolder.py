@@ -8,16 +8,27 @@
       summary.json       final mean/min/max personalized accuracy and totals
       accuracy.png       mean personalized accuracy per round, min-max and quartile bands over peers
       checkpoints/       one atomic checkpoint per peer
+
+Every driver (``simulate`` with either engine, ``launch``, the Flower baselines, ``flwr run``)
+goes through one `RunFolder`: created only after the experiment validated, it writes the
+inputs, owns the metrics writer and the progress display, and at the end sorts the metrics and
+writes the summary and the plot. ``p2pfl node`` appends to its own ``metrics-<peer>.jsonl`` with
+a `MetricsWriter`; ``launch`` merges those files into the run folder.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from p2pfl.config import ExperimentConfig
+    from p2pfl.topology import Topology
 
 
 class MetricsWriter:
@@ -162,3 +173,79 @@ def plot_comparison(series: dict[str, list[dict[str, Any]]], path: Path, title: 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+
+
+class RunFolder:
+    """One run's folder, from the first file written to the summary and plot (the lifecycle every
+    driver shares, so each mode writes the same files the same way).
+
+    ``record`` is the metrics sink a driver hands to its peers (thread-safe); it also advances the
+    progress bar when one is shown. ``finish`` closes both and writes ``summary.json`` (the common
+    fields name/algorithm/seed/mode/wall_seconds plus the driver's ``extra``) and ``accuracy.png``.
+    """
+
+    def __init__(self, path: Path, cfg: ExperimentConfig, mode: str, *, append: bool = False) -> None:
+        self.path = Path(path)
+        self.cfg = cfg
+        self.mode = mode
+        self.metrics = MetricsWriter(self.path / "metrics.jsonl", truncate=not append)
+        self._bar: Any = None
+        self._task: Any = None
+        self._t0 = time.perf_counter()
+
+    @classmethod
+    def start(cls, path: str | Path, cfg: ExperimentConfig, topology: Topology, partition: Any, mode: str, *,
+              append: bool = False) -> RunFolder:
+        """Write config/topology/partition and open ``metrics.jsonl`` (after validation: bad input
+        leaves nothing behind). ``append``: a resumed run keeps its earlier records."""
+        write_inputs(Path(path), cfg.raw, topology.to_dict(), partition)
+        return cls(Path(path), cfg, mode, append=append)
+
+    def show_progress(self, total: int, label: str = "simulating", unit: str = "peer-rounds") -> None:
+        """A progress bar over ``total`` records (one per ``record`` call) until ``finish``/``close``."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+                             TimeElapsedColumn())
+        self._bar.start()
+        self._task = self._bar.add_task(label, total=total)
+
+    def record(self, rec: dict[str, Any]) -> None:
+        self.metrics(rec)
+        if self._bar is not None:
+            self._bar.advance(self._task)
+
+    def close(self) -> None:
+        """Stop the progress bar and close the metrics file (idempotent; ``finish`` calls it)."""
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        if not self.metrics._f.closed:
+            self.metrics.close()
+
+    def merge_peer_files(self, peer_ids: list[str]) -> None:
+        """``launch``: the peers wrote ``metrics-<peer>.jsonl``; make them this folder's ``metrics.jsonl``."""
+        self.close()
+        with open(self.path / "metrics.jsonl", "w") as f:
+            for pid in peer_ids:
+                part = self.path / f"metrics-{pid}.jsonl"
+                if part.exists():
+                    f.write(part.read_text())
+
+    def finish(self, peer_ids: list[str], extra: dict[str, Any] | None = None, *, rounds_run: int | None = None,
+               title: str | None = None) -> dict[str, Any]:
+        """Sort the metrics, write ``summary.json`` and ``accuracy.png``; return the summary.
+
+        ``rounds_run``: the rounds this invocation ran (a resumed run ran fewer) for s/round.
+        """
+        self.close()
+        wall = time.perf_counter() - self._t0
+        cfg = self.cfg
+        recs = sort_metrics(self.path / "metrics.jsonl", peer_ids)
+        summary = summarize(recs, {
+            "name": cfg.name, "algorithm": cfg.algorithm_name, "seed": cfg.seed, "mode": self.mode,
+            "wall_seconds": wall, "wall_seconds_per_round": wall / max(1, rounds_run or cfg.rounds), **(extra or {}),
+        })
+        write_summary(self.path, summary)
+        plot_accuracy(recs, self.path / "accuracy.png", title or f"{cfg.name}: {cfg.algorithm_name}")
+        return summary

@@ -17,7 +17,6 @@ import logging
 import multiprocessing as mp
 import queue
 import threading
-import time
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -30,7 +29,7 @@ from p2pfl.experiment import Experiment
 from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
 from p2pfl.resume import drop_generations, keep_generation, prepare_resume
-from p2pfl.runfolder import MetricsWriter, plot_accuracy, sort_metrics, summarize, write_inputs, write_summary
+from p2pfl.runfolder import RunFolder
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
 
 log = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
     topo = exp.topology
     ids = list(topo.ids)
     start = prepare_resume(run_dir, ids, before=cfg.rounds) if resume else 0
-    write_inputs(run_dir, cfg.raw, topo.to_dict(), exp.partition)
+    run = RunFolder.start(run_dir, cfg, topo, exp.partition, "simulate", append=start > 0)
     exp.layout  # noqa: B018 - build the initial model before forking
     workers = max(1, min(cfg.workers, len(ids)))
     if exp.device.type == "cuda":
@@ -71,8 +70,8 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
     assign = {pid: i * workers // len(ids) for i, pid in enumerate(ids)}
     groups = [[p for p in ids if assign[p] == w] for w in range(workers)]
 
-    writer = MetricsWriter(run_dir / "metrics.jsonl", truncate=start == 0)
-    t0 = time.perf_counter()
+    if progress:
+        run.show_progress(len(ids) * (cfg.rounds - start))
     procs: list[Any] = []
     if workers == 1:
         events: Any = queue.Queue()
@@ -90,7 +89,7 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
             p.start()
             procs.append(p)
     try:
-        _collect(events, writer, len(ids) * (cfg.rounds - start), workers, procs, progress)
+        _collect(events, run, workers, procs)
     finally:
         for box in inboxes:
             box.put(None)
@@ -98,51 +97,28 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
-        writer.close()
-    wall = time.perf_counter() - t0
-    recs = sort_metrics(run_dir / "metrics.jsonl", ids)
-    summary = summarize(recs, {
-        "name": cfg.name, "algorithm": cfg.algorithm_name, "seed": cfg.seed, "mode": "simulate",
-        "wall_seconds": wall, "wall_seconds_per_round": wall / max(1, cfg.rounds - start), "workers": workers,
-        "resumed_from_round": start,
-    })
+        run.close()
     drop_generations(run_dir)
-    write_summary(run_dir, summary)
-    plot_accuracy(recs, run_dir / "accuracy.png", f"{cfg.name}: {cfg.algorithm_name}")
-    return summary
+    return run.finish(ids, {"workers": workers, "resumed_from_round": start}, rounds_run=cfg.rounds - start)
 
 
-def _collect(events: Any, writer: MetricsWriter, total: int, workers: int, procs: list, progress: bool) -> None:
-    """Write records as they come, drive the progress bar, and fail fast when a worker fails."""
-    bar = task = None
-    if progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        bar = Progress(TextColumn("[bold]simulating"), BarColumn(), MofNCompleteColumn(), TextColumn("peer-rounds"),
-                       TimeElapsedColumn())
-        bar.start()
-        task = bar.add_task("sim", total=total)
+def _collect(events: Any, run: RunFolder, workers: int, procs: list) -> None:
+    """Record results as they come (the run folder drives the progress bar); fail fast when a worker fails."""
     finished = 0
-    try:
-        while finished < workers:
-            try:
-                kind, payload = events.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise SimulationError(f"worker {dead[0].name} died (exit code {dead[0].exitcode})") from None
-                continue
-            if kind == "round":
-                writer(payload)
-                if bar is not None:
-                    bar.advance(task)
-            elif kind == "error":
-                raise SimulationError(f"peer {payload[0]} failed: {payload[1]}")
-            elif kind == "done":
-                finished += 1
-    finally:
-        if bar is not None:
-            bar.stop()
+    while finished < workers:
+        try:
+            kind, payload = events.get(timeout=1.0)
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise SimulationError(f"worker {dead[0].name} died (exit code {dead[0].exitcode})") from None
+            continue
+        if kind == "round":
+            run.record(payload)
+        elif kind == "error":
+            raise SimulationError(f"peer {payload[0]} failed: {payload[1]}")
+        elif kind == "done":
+            finished += 1
 
 
 def _one_malloc_arena() -> None:

@@ -130,12 +130,11 @@ def launch(config: Path, cfg: ExperimentConfig, out_dir: Path, sets: list[str], 
            timeout_s: float | None = None, verbose: bool = False) -> dict[str, Any]:
     """Start one ``p2pfl node`` process per peer on loopback, stream their logs, merge their metrics."""
     from p2pfl.experiment import Experiment
-    from p2pfl.runfolder import plot_accuracy, sort_metrics, summarize, write_inputs, write_summary
+    from p2pfl.runfolder import RunFolder
 
     exp = Experiment.from_config(cfg)
     topo = exp.topology
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_inputs(out_dir, cfg.raw, topo.to_dict(), exp.partition)
+    run = RunFolder.start(out_dir, cfg, topo, exp.partition, "launch")
     certs_dir = out_dir / "certs"
     if not insecure:
         import tempfile
@@ -149,7 +148,6 @@ def launch(config: Path, cfg: ExperimentConfig, out_dir: Path, sets: list[str], 
             make_certs(list(topo.ids), certs_dir, ca_key_dir=ca_key_dir, overwrite=True)
     procs: dict[str, subprocess.Popen] = {}
     pumps: list[threading.Thread] = []
-    t0 = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for pid in topo.ids:
         cmd = [sys.executable, "-m", "p2pfl.cli", "node", "--config", str(config), "--peer", pid, "--out", str(out_dir)]
@@ -186,20 +184,9 @@ def launch(config: Path, cfg: ExperimentConfig, out_dir: Path, sets: list[str], 
                     p.kill()
         for th in pumps:
             th.join(timeout=5)
-    wall = time.perf_counter() - t0
-    merged = out_dir / "metrics.jsonl"
-    with open(merged, "w") as f:
-        for pid in topo.ids:
-            part = out_dir / f"metrics-{pid}.jsonl"
-            if part.exists():
-                f.write(part.read_text())
-    recs = sort_metrics(merged, list(topo.ids))
-    summary = summarize(recs, {"name": cfg.name, "algorithm": cfg.algorithm_name, "seed": cfg.seed, "mode": "launch",
-                               "wall_seconds": wall, "wall_seconds_per_round": wall / cfg.rounds,
-                               "failed_peers": failed, "tls": not insecure})
-    write_summary(out_dir, summary)
-    plot_accuracy(recs, out_dir / "accuracy.png", f"{cfg.name}: {cfg.algorithm_name} (launch)")
-    return summary
+    run.merge_peer_files(list(topo.ids))
+    return run.finish(list(topo.ids), {"failed_peers": failed, "tls": not insecure},
+                      title=f"{cfg.name}: {cfg.algorithm_name} (launch)")
 
 
 def _pump(pid: str, proc: subprocess.Popen) -> None:

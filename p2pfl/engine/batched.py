@@ -38,7 +38,7 @@ from p2pfl.data.loader import PeerData
 from p2pfl.engine.context import BatchedContext
 from p2pfl.experiment import Experiment
 from p2pfl.messages import Message
-from p2pfl.runfolder import MetricsWriter, plot_accuracy, sort_metrics, summarize, write_inputs, write_summary
+from p2pfl.runfolder import RunFolder
 from p2pfl.wire.codec import wire_size
 
 log = logging.getLogger(__name__)
@@ -215,29 +215,18 @@ def simulate_batched(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, *, p
     if resume:
         raise BatchedEngineError("simulation.engine 'batched' cannot resume a run yet; use engine 'exact'")
     ids = list(exp.topology.ids)
-    write_inputs(run_dir, cfg.raw, exp.topology.to_dict(), exp.partition)
-    writer = MetricsWriter(run_dir / "metrics.jsonl")
+    run = RunFolder.start(run_dir, cfg, exp.topology, exp.partition, "simulate")
     threads = torch.get_num_threads()
     # One process steps every peer: on a CPU, ``simulation.workers`` become its torch threads.
     workers = max(1, min(cfg.workers, os.cpu_count() or 1)) if exp.device.type == "cpu" else 1
     torch.set_num_threads(workers)
-    t0 = time.perf_counter()
+    if progress:
+        run.show_progress(len(ids) * cfg.rounds, "simulating (batched)")
     try:
-        sim = BatchedSimulation(exp, run_dir, writer)
+        sim = BatchedSimulation(exp, run_dir, run.record)
         for r in range(cfg.rounds):
             sim.run_round(r)
-            if progress:
-                log.info("batched engine: round %d/%d done", r + 1, cfg.rounds)
     finally:
-        writer.close()
+        run.close()
         torch.set_num_threads(threads)
-    wall = time.perf_counter() - t0
-    recs = sort_metrics(run_dir / "metrics.jsonl", ids)
-    summary = summarize(recs, {
-        "name": cfg.name, "algorithm": cfg.algorithm_name, "seed": cfg.seed, "mode": "simulate",
-        "engine": "batched", "wall_seconds": wall, "wall_seconds_per_round": wall / cfg.rounds, "workers": workers,
-        "resumed_from_round": 0,
-    })
-    write_summary(run_dir, summary)
-    plot_accuracy(recs, run_dir / "accuracy.png", f"{cfg.name}: {cfg.algorithm_name}")
-    return summary
+    return run.finish(ids, {"engine": "batched", "workers": workers, "resumed_from_round": 0})

@@ -11,7 +11,6 @@ config's), ``out``.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +73,7 @@ def main(grid: Grid, context: Context) -> None:
 
     from p2pfl.experiment import Experiment
     from p2pfl.flower.baselines import RecordingFedAvg, baseline_of, finish_run_folder, initial_arrays
-    from p2pfl.runfolder import MetricsWriter, write_inputs
+    from p2pfl.runfolder import RunFolder
 
     rc = dict(context.run_config)
     cfg = _config(rc)
@@ -82,14 +81,12 @@ def main(grid: Grid, context: Context) -> None:
     b = baseline_of(baseline, cfg.algorithm_name)
     exp = Experiment.from_config(cfg)
     out = Path(str(rc.get("out") or f"runs/flwr-{cfg.name}-{baseline}"))
-    write_inputs(out, cfg.raw, exp.topology.to_dict(), exp.partition)
+    run = RunFolder.start(out, cfg, exp.topology, exp.partition, f"flower-{baseline}")
     ids = list(exp.topology.ids)
-    writer = MetricsWriter(out / "metrics.jsonl")
-    strategy = RecordingFedAvg(ids, writer)
-    t0 = time.perf_counter()
+    strategy = RecordingFedAvg(ids, run.record)
     try:
         strategy.start(grid, initial_arrays(exp, b.scope), num_rounds=cfg.rounds,
                        train_config=ConfigRecord({"num-rounds": cfg.rounds}))
     finally:
-        writer.close()
-    finish_run_folder(cfg, out, ids, baseline, "flwr-run", time.perf_counter() - t0)
+        run.close()
+    finish_run_folder(run, ids, baseline, "flwr-run")

@@ -64,7 +64,7 @@ from p2pfl.flower.records import (
 )
 from p2pfl.modelpool import ModelPool
 from p2pfl.peerapp import PeerApp
-from p2pfl.runfolder import MetricsWriter, plot_accuracy, sort_metrics, summarize, write_inputs, write_summary
+from p2pfl.runfolder import RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -506,19 +506,17 @@ def run_baseline(cfg: ExperimentConfig, out_dir: str | Path, baseline: str = "fe
         raise RuntimeError("runtime ray: Ray is not installed (pip install 'flwr[simulation]')")
     run_dir = Path(out_dir)
     exp = experiment or Experiment.from_config(cfg)
-    write_inputs(run_dir, cfg.raw, exp.topology.to_dict(), exp.partition)
+    run = RunFolder.start(run_dir, cfg, exp.topology, exp.partition, f"flower-{baseline}")
     ids = list(exp.topology.ids)
     raw = portable_config(cfg)
     experiment_for(raw, exp)  # this process's peers reuse the experiment already built
     client_app = make_client_app(raw, baseline)
-    writer = MetricsWriter(run_dir / "metrics.jsonl")
-    strategy = RecordingFedAvg(ids, writer)
+    strategy = RecordingFedAvg(ids, run.record)
     initial = initial_arrays(exp, b.scope)
     flwr_logger = logging.getLogger("flwr")
     saved_level = flwr_logger.level
     if not verbose:
         flwr_logger.setLevel(logging.WARNING)
-    t0 = time.perf_counter()
     try:
         if runtime == "ray":
             from flwr.simulation import run_simulation
@@ -536,26 +534,18 @@ def run_baseline(cfg: ExperimentConfig, out_dir: str | Path, baseline: str = "fe
             finally:
                 torch.set_num_threads(saved_threads)
     finally:
-        writer.close()
+        run.close()
         flwr_logger.setLevel(saved_level)
-    return finish_run_folder(cfg, run_dir, ids, baseline, "flwr-simulation-ray" if runtime == "ray" else "in-process",
-                             time.perf_counter() - t0)
+    return finish_run_folder(run, ids, baseline, "flwr-simulation-ray" if runtime == "ray" else "in-process")
 
 
-def finish_run_folder(cfg: ExperimentConfig, run_dir: Path, ids: list[str], baseline: str, runtime: str,
-                      wall: float) -> dict[str, Any]:
-    """Sort the metrics, write summary.json (with the runtime that ran) and the accuracy plot."""
-    recs = sort_metrics(run_dir / "metrics.jsonl", ids)
-    if len(recs) != len(ids) * cfg.rounds:
-        raise FlowerPeerError(f"{len(recs)} peer-rounds recorded, {len(ids) * cfg.rounds} expected")
-    mode = f"flower-{baseline}"
-    summary = summarize(recs, {
-        "name": cfg.name, "algorithm": cfg.algorithm_name, "seed": cfg.seed, "mode": mode, "baseline": baseline,
-        "runtime": runtime, "strategy": "FedAvg", "wall_seconds": wall, "wall_seconds_per_round": wall / cfg.rounds,
-    })
-    write_summary(run_dir, summary)
-    plot_accuracy(recs, run_dir / "accuracy.png", f"{cfg.name}: {mode} ({cfg.algorithm_name} local rule)")
-    return summary
+def finish_run_folder(run: RunFolder, ids: list[str], baseline: str, runtime: str) -> dict[str, Any]:
+    """The run folder's summary (with the runtime that ran) and plot; every peer-round must be there."""
+    recs = len(run.metrics.path.read_text().splitlines())
+    if recs != len(ids) * run.cfg.rounds:
+        raise FlowerPeerError(f"{recs} peer-rounds recorded, {len(ids) * run.cfg.rounds} expected")
+    return run.finish(ids, {"baseline": baseline, "runtime": runtime, "strategy": "FedAvg"},
+                      title=f"{run.cfg.name}: {run.mode} ({run.cfg.algorithm_name} local rule)")
 
 
 def _cpus() -> int:
