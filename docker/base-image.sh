@@ -29,6 +29,8 @@ say "debootstrap minbase bookworm ($PACKAGES) into $ROOTFS"
 timeout 1200 debootstrap --variant=minbase --include="$PACKAGES" bookworm "$ROOTFS" "$MIRROR" \
   >"$ROOTFS.log" 2>&1 || { tail -n 30 "$ROOTFS.log" >&2; exit 1; }
 rm -f "$ROOTFS.log"
+# mktemp -d made the root 0700: the image's / must be 0755, or nothing is reachable for the non-root peer.
+chmod 0755 "$ROOTFS"
 # Smaller image: no apt lists, caches, docs or man pages (the dataset under /usr/share/datasets stays).
 rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/* "$ROOTFS"/usr/share/doc/* \
   "$ROOTFS"/usr/share/man/* "$ROOTFS"/usr/share/info/* "$ROOTFS"/usr/share/locale/*
