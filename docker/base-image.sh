@@ -13,7 +13,10 @@ PACKAGES="python3,python3-venv,dataset-fashion-mnist"
 
 say() { echo "base-image: $*" >&2; }
 
-if [ "${P2PFL_BASE_REBUILD:-0}" != 1 ] && docker image inspect "$IMAGE" >/dev/null 2>&1; then
+# Bumped when the recipe changes, so a cached image made by an older recipe is rebuilt.
+RECIPE=2
+if [ "${P2PFL_BASE_REBUILD:-0}" != 1 ] && [ "$(docker image inspect -f '{{index .Config.Labels "org.p2pfl.base-recipe"}}' \
+    "$IMAGE" 2>/dev/null)" = "$RECIPE" ]; then
   say "$IMAGE exists (cached)"
   exit 0
 fi
@@ -38,5 +41,5 @@ say "importing as $IMAGE"
 tar -C "$ROOTFS" -c . | timeout 900 docker import \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
   --change 'ENV LANG=C.UTF-8' \
-  --change 'CMD ["/bin/bash"]' - "$IMAGE" >/dev/null
+  --change 'CMD ["/bin/bash"]' --change "LABEL org.p2pfl.base-recipe=$RECIPE" - "$IMAGE" >/dev/null
 say "made $IMAGE ($(docker image inspect -f '{{.Size}}' "$IMAGE") bytes)"
