@@ -190,11 +190,18 @@ def test_fedrep_under_flowers_ray_runtime_matches_the_in_process_numbers(tmp_pat
     """Flower's simulation runtime (run_simulation, Ray backend): 2 peers, 2 rounds, DePRL's head-then-body rule."""
     path = tiny_config(tmp_path, peers=2, rounds=2, algorithm={"name": "deprl", "tau": 2, "rep_steps": 2})
     cfg = load_config(path)
-    ray_sum = run_baseline(cfg, tmp_path / "ray", "fedrep", runtime="ray")
+    ray_dir = tmp_path / "ray"
+    try:
+        ray_sum = run_baseline(cfg, ray_dir, "fedrep", runtime="ray")
+    except RuntimeError:
+        # Ray's raylet must register within a fixed 30 s (ray/_private/node.py); on a loaded 2-core
+        # machine it sometimes does not. One more try in a fresh folder; a second failure is real.
+        ray_dir = tmp_path / "ray-retry"
+        ray_sum = run_baseline(cfg, ray_dir, "fedrep", runtime="ray")
     inproc = run_baseline(cfg, tmp_path / "inproc", "fedrep", runtime="in-process")
     assert ray_sum["runtime"] == "flwr-simulation-ray" and inproc["runtime"] == "in-process"
     keys = ("round", "peer", "acc", "loss", "train_loss", "bytes_sent", "bytes_recv")
-    ray_recs = [{k: r[k] for k in keys} for r in _records(tmp_path / "ray")]
+    ray_recs = [{k: r[k] for k in keys} for r in _records(ray_dir)]
     assert len(ray_recs) == 4
     assert ray_recs == [{k: r[k] for k in keys} for r in _records(tmp_path / "inproc")]
 
