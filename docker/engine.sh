@@ -31,6 +31,20 @@ if timeout 20 docker info >/dev/null 2>&1; then
   exit 0
 fi
 
+# A daemon killed with its machine session leaves its pid file behind, and a new dockerd refuses
+# to start while it exists: remove pid files whose process is gone.
+for pidfile in /var/run/docker.pid /var/run/docker/containerd/containerd.pid; do
+  if [ -f "$pidfile" ]; then
+    pid=$(cat "$pidfile" 2>/dev/null || true)
+    # not `kill -0`: the number may since belong to another process, or to a thread of one
+    comm=$(cat "/proc/${pid:-0}/comm" 2>/dev/null || true)
+    if [ -z "$pid" ] || { [ "$comm" != dockerd ] && [ "$comm" != containerd ]; }; then
+      say "removing stale $pidfile (pid ${pid:-?} is not running)"
+      $SUDO rm -f "$pidfile"
+    fi
+  fi
+done
+
 say "starting dockerd (vfs storage, host networking only); log: $LOG"
 # setsid: the daemon outlives this script and is not killed with make's process group.
 $SUDO setsid dockerd --storage-driver=vfs --bridge=none --iptables=false --ip6tables=false \
