@@ -8,13 +8,16 @@ A sweep file::
     cases:                              # optional; named override sets, crossed with the grid
       - {name: dfedavg, set: {algorithm: {name: dfedavg, preset: dfedavg-paper}}}
       - {name: deprl, set: [algorithm.name=deprl, algorithm.preset=deprl-paper]}
+      - {name: fedrep, flower: fedrep, set: {algorithm: {name: deprl, preset: deprl-paper}}}
     grid:                               # dotted config key -> list of values
       data.partition.pi: [0.1, 0.3]
       seed: [1, 12, 123]
 
 Every cell (base + ``set`` + its case + its grid values) is validated before anything runs, so a
 typo in the last cell does not surface hours into the sweep. Each cell runs as its own
-``p2pfl simulate`` subprocess (a crash in one cell cannot take the others down, and its output
+``p2pfl simulate`` subprocess, or ``p2pfl flower --baseline B`` for a case with ``flower: B``
+(a parameter-server baseline on Flower's runtime, on the same partition; no checkpoints, so an
+interrupted one reruns from round 0) (a crash in one cell cannot take the others down, and its output
 lands in ``<cell>/log.txt``). The sweep is resumable: a cell whose ``summary.json`` exists and
 whose saved config matches the planned one is done; an interrupted cell with the planned config
 and checkpoints continues from the last round every peer checkpointed (``p2pfl simulate
@@ -68,6 +71,7 @@ class Case:
 
     name: str
     overrides: tuple[tuple[str, Any], ...]
+    flower: str | None = None  # a parameter-server baseline (p2pfl.flower.baselines) instead of simulate
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class Cell:
     values: dict[str, Any]  # grid key -> value for this cell
     overrides: list[str]  # every override applied on top of the base, as KEY=VALUE (for people)
     config: dict[str, Any]  # resolved config (ExperimentConfig.raw), written to <cell>/config.yaml
+    flower: str | None = None  # run by ``p2pfl flower --baseline`` (its case's ``flower``)
 
 
 @dataclass
@@ -193,10 +198,14 @@ def parse_sweep(data: Any, path: Path | None = None) -> SweepSpec:
         raise SweepError(f"{where}: 'cases' must be a list of {{name, set}} mappings")
     cases = []
     for i, case in enumerate(cases_raw):
-        if not isinstance(case, dict) or not isinstance(case.get("name"), str | int) or set(case) - {"name", "set"}:
-            raise SweepError(f"{where}: case #{i + 1} must be a mapping with 'name' and 'set' only")
+        if not isinstance(case, dict) or not isinstance(case.get("name"), str | int) or \
+                set(case) - {"name", "set", "flower"}:
+            raise SweepError(f"{where}: case #{i + 1} must be a mapping with 'name', 'set' and optionally 'flower'")
         cname = str(case["name"])
-        cases.append(Case(cname, _parse_overrides(case.get("set"), f"{where}: case {cname!r}")))
+        flower = case.get("flower")
+        if flower is not None and not isinstance(flower, str):
+            raise SweepError(f"{where}: case {cname!r}: 'flower' must name a baseline (fedavg, fedper, fedrep, ...)")
+        cases.append(Case(cname, _parse_overrides(case.get("set"), f"{where}: case {cname!r}"), flower))
     names = [c.name for c in cases]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -321,6 +330,10 @@ def plan_cells(spec: SweepSpec, *, jobs: int = 1, cores: int | None = None) -> l
                     if isinstance(workers, int) and not isinstance(workers, bool):
                         data["simulation"] = {**sim, "workers": max(1, min(workers, per_job))}
                 cfg = parse_config(data, base=spec.base.parent)  # the whole experiment, topology file included
+                if case is not None and case.flower is not None:
+                    from p2pfl.flower.baselines import baseline_of
+
+                    baseline_of(case.flower, cfg.algorithm_name)  # an unknown baseline or a wrong local rule
             except Exception as exc:  # noqa: BLE001 - e.g. a preset's module fails to import: refuse, say why
                 errors.append(f"cell {name}: {exc}")
                 continue
@@ -328,7 +341,8 @@ def plan_cells(spec: SweepSpec, *, jobs: int = 1, cores: int | None = None) -> l
             if Path(raw["topology"]).exists():  # absolute: the cell's config works from any directory
                 raw["topology"] = str(Path(raw["topology"]).resolve())
             cells.append(Cell(name=name, case=case.name if case else None, values=values,
-                              overrides=[f"{k}={_show(v)}" for k, v in pairs], config=_normalize(raw)))
+                              overrides=[f"{k}={_show(v)}" for k, v in pairs], config=_normalize(raw),
+                              flower=case.flower if case else None))
     if errors:
         more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
         raise SweepError(f"sweep {spec.name!r}: {len(errors)} of {len(cases) * len(combos)} cells are invalid, "
@@ -345,7 +359,7 @@ def _disambiguate(cells: list[Cell]) -> None:
     for i, c in enumerate(cells):
         if seen[c.name] > 1:
             cells[i] = Cell(name=f"{c.name}__{_digest([c.case, c.values])}", case=c.case, values=c.values,
-                            overrides=c.overrides, config=c.config)
+                            overrides=c.overrides, config=c.config, flower=c.flower)
 
 
 def _normalize(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -394,8 +408,11 @@ def default_out(spec: SweepSpec) -> Path:
     return Path("runs") / "sweeps" / _slug(spec.name)
 
 
-def simulate_command(cell_dir: Path, resume: bool = False) -> list[str]:
+def simulate_command(cell_dir: Path, resume: bool = False, flower: str | None = None) -> list[str]:
     """How one cell runs: the ordinary CLI in a fresh interpreter (isolated, logged, killable)."""
+    if flower is not None:
+        return [sys.executable, "-m", "p2pfl.cli", "flower", "--config", str(cell_dir / "config.yaml"),
+                "--out", str(cell_dir), "--baseline", flower, "--quiet"]
     return [sys.executable, "-m", "p2pfl.cli", "simulate", "--config", str(cell_dir / "config.yaml"),
             "--out", str(cell_dir), "--quiet"] + (["--resume"] if resume else [])
 
@@ -427,7 +444,7 @@ def write_index(out: Path, spec: SweepSpec, results: list[CellResult], jobs: int
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "counts": {s: sum(1 for r in results if r.status == s) for s in sorted({r.status for r in results})},
         "cells": [{"name": r.cell.name, "case": r.cell.case, "values": r.cell.values, "overrides": r.cell.overrides,
-                   "status": r.status, "error": r.error, "seconds": r.seconds} for r in results],
+                   **({"flower": r.cell.flower} if r.cell.flower else {}), "status": r.status, "error": r.error, "seconds": r.seconds} for r in results],
     })
 
 
@@ -520,13 +537,13 @@ def _progress(enabled: bool, total: int, done: int) -> tuple[Any, Any]:
 
 def _start(out: Path, res: CellResult) -> _Running:
     cell_dir = out / res.cell.name
-    resume = res.found == "interrupted" and can_resume(cell_dir, res.cell.config)
+    resume = res.found == "interrupted" and res.cell.flower is None and can_resume(cell_dir, res.cell.config)
     if cell_dir.exists() and not resume:  # a failed or stale attempt, or one without checkpoints: start clean
         shutil.rmtree(cell_dir)
     cell_dir.mkdir(parents=True, exist_ok=True)
     (cell_dir / "error.txt").unlink(missing_ok=True)
     (cell_dir / "config.yaml").write_text(yaml.safe_dump(res.cell.config, sort_keys=False))
-    command = simulate_command(cell_dir, resume=resume)
+    command = simulate_command(cell_dir, resume=resume, flower=res.cell.flower)
     log = open(cell_dir / "log.txt", "ab" if resume else "wb")  # closed in _finish / _stop
     log.write(("$ " + " ".join(command) + "\n").encode())
     log.flush()
