@@ -56,6 +56,10 @@ FLAT_PTS = 0.5
 PERSONALIZED = ("personalized: mean over peers of each peer's own model on its own test split "
                 "(drawn with its training label mix), last round")
 AVERAGED = "averaged model x̄ (mean of all peers' final parameters) on the global test set"
+GLOBAL_ON_OWN = ("global model on each client's split: mean over clients of the server's final global model on "
+                 "each client's own test split (drawn with its training label mix), last round")
+PERSONALIZED_PS = ("personalized: mean over clients of each client's own model (its own head + the server's "
+                   "global body) on its own test split (drawn with its training label mix), last round")
 
 # ------------------------------------------------------------------------------------------------
 # what is planned: the Table 1 sweeps (bench/reproduce/table1/*.yaml)
@@ -77,7 +81,13 @@ METHODS = (
     MethodDef("dispfl", "DisPFL", "dispfl", ""),
     MethodDef("dpsgd", "D-PSGD", "dpsgd", ""),
     MethodDef("deprl-steps", "DePRL (literal)", "deprl", "τ = 2 head steps + 1 representation step (Algorithm 1)"),
+    # parameter-server baselines on Flower's runtime (table1/ps-*.yaml), DePRL Table 7's columns
+    MethodDef("fedavg", "FedAvg", "fedavg", "parameter server (Flower), D-PSGD's local rule"),
+    MethodDef("fedrep", "FedRep", "fedrep", "parameter server (Flower), DePRL's local rule (epochs reading)"),
 )
+PS_CASES = ("fedavg", "fedrep")
+#: the metric each method's number is (the papers' own: personalized, except FedAvg's single global model)
+METRIC_OF = {"fedavg": GLOBAL_ON_OWN, "fedrep": PERSONALIZED_PS}
 MAIN = ("dpsgd", "dispfl", "deprl-epochs")  # the 27 cells of Table 1, paper order
 
 #: DePRL Table 1, Fashion-MNIST (AlexNet) rows, 128 workers, mean ± spread over 4 seeds (spec 004 §4).
@@ -92,6 +102,16 @@ DEPRL_PAPER: dict[tuple[str, str, float], tuple[float, float]] = {
     for (g, m), v in zip([(g, m) for g, _ in GRAPHS for m in ("dpsgd", "dispfl", "deprl")], row.split(), strict=True)
 }
 PAPER_SOURCE = "DePRL Table 1, Fashion-MNIST rows (AlexNet, 128 workers, mean ± spread over 4 seeds; spec 004 §4)"
+#: DePRL Table 7 (appendix), Fashion-MNIST (AlexNet), Ring: the parameter-server baselines (FedAvg, FedRep,
+#: Ditto, FedRoD); its D-PSGD / DisPFL / DePRL columns are Table 1's Ring column.
+_T7_ROWS = {0.1: "84.19±0.2 94.27±0.4 95.23±0.2 95.93±0.2", 0.3: "86.58±0.3 89.57±0.4 90.82±0.2 92.29±0.5",
+            0.5: "86.89±0.4 88.53±0.4 89.12±0.3 90.92±0.2"}
+PS_METHODS = (("fedavg", "FedAvg"), ("fedrep", "FedRep"), ("ditto", "Ditto"), ("fedrod", "FedRoD"))
+DEPRL_PAPER.update({
+    ("ring", m, pi): (float(v.split("±")[0]), float(v.split("±")[1]))
+    for pi, row in _T7_ROWS.items() for (m, _), v in zip(PS_METHODS, row.split(), strict=True)
+})
+T7_SOURCE = "DePRL Table 7, Fashion-MNIST rows (AlexNet, Ring, 128 workers, mean ± spread over 4 seeds; spec 004 §4)"
 
 
 @dataclass(frozen=True)
@@ -111,6 +131,8 @@ def folder(file: str) -> str:
 
 SWEEPS = tuple(SweepDef((f"{g}-pi{pi}",), "deprl-t1", g, pi) for g, _ in GRAPHS for pi in PIS) + (
     SweepDef(("smoke-ring-pi0.1", "smoke-ring-pi0.1-seeds12"), "deprl-t1-smoke", "ring", 0.1),
+) + tuple(SweepDef((f"ps-ring-pi{pi}",), "deprl-t7", "ring", pi) for pi in PIS) + (
+    SweepDef(("ps-smoke-ring-pi0.1",), "deprl-t7-smoke", "ring", 0.1),
 )
 
 #: The other papers' claims: planned at 3 seeds with the papers' metrics; not run yet at that protocol.
@@ -123,8 +145,9 @@ CLAIMS = (
      "paper": "87.67 / 86.50 / 82.60 / 63.20 (CIFAR-10 Dir 0.3, ResNet-18; spec 000 §5 Table 2)"},
     {"table": "dfedpgp-t6", "method": "DFedPGP > DFedAvgM", "metric": PERSONALIZED,
      "paper": "49.16 vs 41.94 (Tiny-ImageNet Path-10; spec 001 §4 Table 6)"},
-    {"table": "deprl-t7", "method": "FedAvg, FedRep (parameter server, Flower) under Ring", "metric": PERSONALIZED,
-     "paper": "DePRL Tables 7/8 (spec 004 §4)"},
+    {"table": "deprl-t7", "method": "Ditto, FedRoD (parameter server) under Ring", "metric": PERSONALIZED,
+     "paper": "DePRL Table 7 (spec 004 §4): Fashion-MNIST Ditto 95.23 / 90.82 / 89.12, FedRoD 95.93 / 92.29 / "
+              "90.92 (π 0.1 / 0.3 / 0.5); not implemented here (FedAvg and FedRep are: table deprl-t7)"},
 )
 
 
@@ -159,6 +182,10 @@ def collect(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
             _gzip_copy(cell / "metrics.jsonl", dst / "metrics.jsonl.gz")
             if (cell / "partition.json").is_file():
                 _gzip_copy(cell / "partition.json", dst / "partition.json.gz")
+            if (cell / "cpu.json").is_file():  # bench/reproduce/cpu_watch.py (the PS runs' cost)
+                shutil.copyfile(cell / "cpu.json", dst / "cpu.json")
+            if str(json.loads((cell / "summary.json").read_text()).get("mode", "")).startswith("flower-"):
+                continue  # a server run: no checkpoints, and its metric is not x̄
             try:
                 avg = averaged_model_accuracy(cell)
             except (ReportError, OSError, ValueError) as exc:
@@ -181,6 +208,8 @@ class Evidence:
     rounds: int
     avg_model_acc: float | None
     wall_seconds_per_round: float | None
+    runtime: str | None = None  # a Flower run: flwr-simulation-ray | in-process
+    cpu_seconds_per_round: float | None = None
 
 
 def read_evidence(folder: Path) -> Evidence | None:
@@ -200,7 +229,9 @@ def read_evidence(folder: Path) -> Evidence | None:
         avg = json.loads((folder / "avg_model.json").read_text()).get("acc")
     return Evidence(seed=int(cfg["seed"]), path=folder.relative_to(ROOT).as_posix(), curve=curve,
                     final=curve[-1][1] if curve else float("nan"), rounds=int(cfg["rounds"]), avg_model_acc=avg,
-                    wall_seconds_per_round=summary.get("wall_seconds_per_round"))
+                    wall_seconds_per_round=summary.get("wall_seconds_per_round"), runtime=summary.get("runtime"),
+                    cpu_seconds_per_round=(json.loads((folder / "cpu.json").read_text()).get("cpu_seconds_per_round")
+                                           if (folder / "cpu.json").is_file() else None))
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
@@ -249,14 +280,18 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
         out.append({
             "table": sweep.table, "dataset": "fashion_mnist", "graph": sweep.graph, "pi": sweep.pi,
             "method": mdef.label, "case": case_name, "variant": mdef.variant, "rounds": rounds,
-            "metric": PERSONALIZED, "ours_mean": _r(mean), "ours_std": _r(std),
+            "metric": METRIC_OF.get(case_name, PERSONALIZED), "ours_mean": _r(mean), "ours_std": _r(std),
             "seeds": [e.seed for e in done], "seeds_planned": list(seeds),
             "status": "done" if len(done) == len(seeds) else (f"{len(done)} of {len(seeds)} seeds" if done else NOT_RUN),
-            "paper": paper, "paper_spread": spread, "paper_source": PAPER_SOURCE,
+            "paper": paper, "paper_spread": spread,
+            "paper_source": T7_SOURCE if case_name in PS_CASES else PAPER_SOURCE,
             "vs_paper": vs_paper(mean, std, paper, spread),
             "flattened": flat, "gain_last_20pct_rounds_pts": gain,
             "avg_model": {"metric": AVERAGED, "mean": _r(avg_mean), "std": _r(avg_std)},
             "wall_seconds_per_round": [_r(e.wall_seconds_per_round, 1) for e in done],
+            **({"runtime": [e.runtime for e in done],
+                "cpu_seconds_per_round": [_r(e.cpu_seconds_per_round, 1) for e in done]}
+               if case_name in PS_CASES else {}),
             "runs": [e.path for e in done],
             "curves": {str(e.seed): [[r + 1, round(100 * a, 3)] for r, a in e.curve] for e in done},
             "sweep_files": [f"bench/reproduce/table1/{f}.yaml" for f in sweep.files],
@@ -384,6 +419,43 @@ def plot(cells: list[dict[str, Any]], title: str, out: Path) -> Path | None:
     return out
 
 
+def table7_section(cells: list[dict[str, Any]]) -> list[str]:
+    """DePRL Table 7 (Ring): the PS baselines run on Flower beside the decentralized Ring cells, ours / paper."""
+    doc = ["## DePRL Table 7 (Ring, Fashion-MNIST): parameter-server baselines on Flower, same partition", "",
+           "FedAvg and FedRep run through Flower (`p2pfl flower`: Flower's `FedAvg` strategy, "
+           "`flwr.simulation.run_simulation` with the Ray backend; each run's `summary.json` records the runtime "
+           "that ran) on the same 128 clients, partition, batch, model and initial weights as the Ring cells; "
+           "every client takes part in every round. \"Ring\" means only the same partition: a server has no graph. "
+           "Local rules (the spec gives the baselines none): FedAvg = D-PSGD's (1 epoch, lr 0.1 ×0.998, wd 5e-4), "
+           "FedRep = DePRL's epochs reading (2 head epochs, then 1 body epoch, lr 0.005 / 0.01 ×0.96, wd 1e-5), so "
+           "each pair differs only in server vs gossip. Metrics: **FedAvg = the global model on each client's own "
+           "test split**; **FedRep = each client's own model (own head + global body) on its own split**; the "
+           "decentralized columns as in Table 1. Ditto and FedRoD are not implemented (paper values shown).", ""]
+    ps = {(c["case"], c["pi"]): c for c in cells if c["table"] == "deprl-t7"}
+    ring = {(c["case"], c["pi"]): c for c in cells if c["table"] == "deprl-t1" and c["graph"] == "ring"}
+    rows = []
+    for pi in PIS:
+        row = [f"{pi:g}"]
+        for m, _ in PS_METHODS:
+            paper, spread = DEPRL_PAPER[("ring", m, pi)]
+            c = ps.get((m, pi))
+            row.append(f"{fmt(c) if c else 'not implemented'} / {paper:.2f}±{spread:g}")
+        for case in MAIN:
+            c = ring[(case, pi)]
+            row.append(f"{fmt(c)} / {c['paper']:.2f}±{c['paper_spread']:g}")
+        rows.append(row)
+    doc += md_table(["π"] + [label for _, label in PS_METHODS] + ["D-PSGD", "DisPFL", "DePRL"], rows) + [""]
+    runs = [c for c in cells if c["table"] in ("deprl-t7", "deprl-t7-smoke") and c["runs"]]
+    if runs:
+        doc += ["Cost of the parameter-server runs (CPU seconds per round: the whole process tree, Ray workers "
+                "included, start-up included, `cpu.json` from `bench/reproduce/cpu_watch.py`; nice 19 on the "
+                "shared 2-core machine): " + "; ".join(
+                    f"{c['method']} ({c['table']}, π {c['pi']:g}): runtime {', '.join(map(str, c['runtime']))}, "
+                    f"{', '.join('—' if v is None else f'{v:g}' for v in c['cpu_seconds_per_round'])} CPU s/round"
+                    for c in runs) + ".", ""]
+    return doc
+
+
 def discussion_text(out: Path) -> str:
     if out.is_file():
         m = re.search(re.escape(DISCUSSION_OPEN) + r"(.*?)" + re.escape(DISCUSSION_CLOSE), out.read_text(), re.S)
@@ -408,11 +480,14 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         "```bash",
         "bench/reproduce/table1/run.sh                    # Ring (π 0.1, 0.3, 0.5), then Random, then FC; resumable",
         "bench/reproduce/table1/run.sh smoke-ring-pi0.1 smoke-ring-pi0.1-seeds12   # the 10-round smoke variant",
+        "bench/reproduce/table1/run.sh ps-ring-pi0.1 ps-ring-pi0.3 ps-ring-pi0.5     # FedAvg, FedRep on Flower (Table 7)",
         ".venv/bin/python bench/reproduce/results_md.py   # collect finished runs, write results.json/.md + plots",
         "```", "",
         "Each sweep file `bench/reproduce/table1/<graph>-pi<π>.yaml` holds one Table 1 column group: DePRL, DisPFL, "
         "D-PSGD and the literal DePRL variant, seeds 0, 1, 2; an interrupted cell continues from the last round every "
-        "peer checkpointed (`p2pfl/resume.py`). The code runs from a snapshot of one commit (`runs/reproduce/code-<sha>`).",
+        "peer checkpointed (`p2pfl/resume.py`). The code runs from a snapshot of one commit (`runs/reproduce/code-<sha>`). "
+        "`ps-ring-pi<π>.yaml` holds the parameter-server baselines of the same partition (cases with `flower:`, run by "
+        "`p2pfl flower` on Flower's runtime); they keep no checkpoints, so an interrupted one reruns from round 0.",
         "",
         "## Protocol (Fashion-MNIST, 128 peers, `cnn_small`)", "",
         "- Data: per-class Dirichlet(π) split over 128 peers (DePRL appendix), π ∈ {0.1, 0.3, 0.5}; each peer's test "
@@ -451,7 +526,7 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
 
     doc += ["### Every protocol cell, with its verdict", ""]
     rows = []
-    for c in [c for c in cells if c["table"] == "deprl-t1"]:
+    for c in [c for c in cells if c["table"] in ("deprl-t1", "deprl-t7")]:
         x = c["avg_model"]
         rows.append([c["graph"], f"{c['pi']:g}", c["method"], fmt(c), f"{c['paper']:.2f}±{c['paper_spread']:g}",
                      c["vs_paper"], {True: "yes", False: "no", None: "—"}[c["flattened"]]
@@ -470,7 +545,8 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         doc.append(f"No cell has all three methods finished: every ordering is {NOT_RUN}.")
     doc += [""]
 
-    smoke = [c for c in cells if c["table"] == "deprl-t1-smoke"]
+    doc += table7_section(cells)
+    smoke = [c for c in cells if c["table"] in ("deprl-t1-smoke", "deprl-t7-smoke")]
     doc += ["## SMOKE variant: Ring, π = 0.1, 10 rounds (not the protocol)", "",
             "Same peers, partition, batch and per-method settings as the Ring π = 0.1 protocol cells, but 10 rounds "
             "instead of 100 (and DisPFL's annealing over 10 rounds). It exists because one protocol run costs hours of "
@@ -491,8 +567,10 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         figdir = out.parent / "results"
         for key, group, title in (
             ("smoke-ring-pi0.1", smoke, "SMOKE (10 rounds): Ring, π=0.1, 128 peers"),
-            *[(f"{g}-pi{pi}", [c for c in cells if c["table"] == "deprl-t1" and c["graph"] == g and c["pi"] == pi],
-               f"Table 1: {gl}, π={pi:g}, 128 peers, 100 rounds") for g, gl in GRAPHS for pi in PIS],
+            *[(f"{g}-pi{pi}", [c for c in cells if c["table"] in ("deprl-t1", "deprl-t7") and c["graph"] == g
+                               and c["pi"] == pi],
+               f"Table 1: {gl}, π={pi:g}, 128 peers, 100 rounds"
+               + (" (+ PS baselines, Table 7)" if g == "ring" else "")) for g, gl in GRAPHS for pi in PIS],
         ):
             p = plot(group, title, figdir / f"t1-{key}.png")
             if p:
