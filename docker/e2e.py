@@ -257,7 +257,14 @@ def e2e(args: argparse.Namespace, work: Path, result: dict[str, Any]) -> None:
     wait(f"{VICTIM} to be restarted by the restart policy",
          lambda: dep.inspect(victim)["RestartCount"] >= 1 and dep.inspect(victim)["State"]["Running"], 120)
     result["restart_count"] = dep.inspect(victim)["RestartCount"]
-    wait(f"{VICTIM} healthy again", lambda: healthy(victim), 300)
+    def healthy_again() -> bool:
+        st = dep.inspect(victim)["State"]
+        if st["Status"] == "exited":
+            raise Failure(f"{VICTIM} exited (code {st['ExitCode']}) before its healthcheck passed again: "
+                          "the run ended too soon after the restart (more --rounds)")
+        return st.get("Health", {}).get("Status") == "healthy"
+
+    wait(f"{VICTIM} healthy again", healthy_again, 300)
 
     def resumed_round() -> float | None:
         return gauge(scrape(metrics[VICTIM]), "p2pfl_resumed_from_round")
@@ -306,8 +313,10 @@ def dep_neighbours(topology: Path, peer: str) -> set[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--kill-after", type=int, default=3, help="kill the victim once it completed this many rounds")
+    parser.add_argument("--rounds", type=int, default=80,
+                        help="rounds of the run: a round takes about 0.5 s, and the restarted peer must still "
+                        "have rounds to run after its healthcheck (every 10 s) passes again")
+    parser.add_argument("--kill-after", type=int, default=10, help="kill the victim once it completed this many rounds")
     parser.add_argument("--timeout", type=float, default=1500, help="seconds for the run (after the build)")
     parser.add_argument("--build-timeout", type=float, default=1200)
     parser.add_argument("--keep", action="store_true", help="leave the deployment folder (debugging)")
