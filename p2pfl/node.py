@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 Recorder = Callable[[dict[str, Any]], None]
 
+#: Push-sum: below this weight (the mean is 1), a peer short of an in-neighbour's share keeps its
+#: whole share instead of pushing (``Node._withhold``); mu then stays above W[i,i] * MU_FLOOR.
+MU_FLOOR = 0.5
+
 
 @dataclasses.dataclass(frozen=True)
 class Protocol:
@@ -91,6 +95,7 @@ class Node:
         self.resumed_record: dict[str, Any] | None = None  # the last record stored with the checkpoint
         self._fast_forward_from: int | None = None
         self._resumed_at = -1
+        self._short = False  # push-sum: some in-neighbour's share did not arrive in the last step
 
     # -- resume ------------------------------------------------------------------------------
     def resume(self) -> bool:
@@ -104,6 +109,7 @@ class Node:
         self.generator.set_state(rng)
         rec = meta.get("record")
         self.resumed_record = rec if isinstance(rec, dict) else None
+        self.transport.restore_ledger(meta.get("ledger"))  # push-sum running totals of this very state
         self._resumed_at = state.round
         log.info("%s: resumed from checkpoint at round %d", self.peer_id, state.round)
         return True
@@ -152,6 +158,18 @@ class Node:
                 self._fast_forward_from = self.state.round
             self.state.round = target
 
+    def _withhold(self, plan: MixingPlan) -> bool:
+        """Push-sum weight floor: keep the whole share this step (docs/protocol.md, "Weight floor").
+
+        A peer whose in-neighbour is down gives a share every step and receives none, so its mu
+        would halve each round (on a directed ring) and DFedPGP's z = u / mu and lr / mu blow up.
+        Below ``MU_FLOOR``, a peer that was short of an in-neighbour's share in its last step keeps
+        everything (mass is conserved: nobody absorbs what it keeps). Never fires without a fault,
+        so fault-free runs are bitwise the simulation's.
+        """
+        return (plan.mode == "push" and self._short and self.transport.can_withhold
+                and MU in self.state.scalars and float(self.state.scalars[MU]) < MU_FLOOR)
+
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> PeerState:
         while self.state.round < self.rounds and not self.stop.is_set():
@@ -176,6 +194,8 @@ class Node:
         sent = recv = 0
         missing: set[str] = set()
         undelivered: set[str] = set()
+        settled = 0.0
+        withheld = False
         consensus = 0.0
         for step in range(self.algorithm.gossip_steps()):
             plan = self.topology.plan(self.peer_id, r, step, seed=self.seed, mode=self.algorithm.mode)
@@ -190,6 +210,9 @@ class Node:
                                                      self.protocol.probe_s)
                 plan = staleness_plan(plan, {j: r - m.round for j, m in res.received.items()},
                                       self.protocol.staleness_exp)
+            elif self._withhold(plan):
+                withheld = True
+                res = self.transport.exchange(wire_msg, plan, self.deadline_s, withhold=True)  # type: ignore[call-arg]
             else:
                 res = self.transport.exchange(wire_msg, plan, self.deadline_s)
             if self.pipeline:
@@ -214,6 +237,13 @@ class Node:
                 mean = torch.stack([m.flat[:n] for m in res.received.values()]).mean(0)
                 consensus = float(torch.linalg.vector_norm(msg.flat[:n] - mean))
             self.algorithm.combine(self.state, r, step, msg, res.received, plan)
+            if plan.mode == "push":
+                self._short = bool(res.missing or res.withheld)
+                if res.mu_settle:
+                    # The ledger's repair of a restart (docs/protocol.md): mu only, so the de-biased
+                    # model z = u / mu stays as it is and the weight comes back without a jolt.
+                    self.state.scalars[MU] = float(self.state.scalars[MU]) + res.mu_settle
+                    settled += res.mu_settle
             sent += res.bytes_sent
             recv += res.bytes_recv
             missing.update(res.missing)
@@ -233,6 +263,10 @@ class Node:
             rec["mu"] = float(self.state.scalars[MU])  # push-sum weight: sum over peers stays n
         if undelivered:
             rec["undelivered"] = sorted(undelivered)
+        if settled:
+            rec["mu_settled"] = settled
+        if withheld:
+            rec["withheld"] = True
         if self._fast_forward_from is not None:
             rec["fast_forward_from"], self._fast_forward_from = self._fast_forward_from, None
         # Checkpoint (atomic rename, carrying this record) first, then the metrics line: a kill in
@@ -241,7 +275,9 @@ class Node:
         if self.checkpoint_path is not None and self.checkpoint_every and (
             (r + 1) % self.checkpoint_every == 0 or r + 1 == self.rounds
         ):
-            save_checkpoint(self.checkpoint_path, self.state, self.generator, meta={"record": rec})
+            ledger = self.transport.ledger_state()  # push-sum running totals, consistent with this state
+            save_checkpoint(self.checkpoint_path, self.state, self.generator,
+                            meta={"record": rec, **({"ledger": ledger} if ledger is not None else {})})
         self.record(rec)
         if self.on_round is not None:
             self.on_round(r)

@@ -18,13 +18,18 @@ from p2pfl.wire.compress import WireFormat
 @dataclass
 class ExchangeResult:
     """What one exchange brought. ``undelivered`` (push mode): out-neighbours that did not mix this
-    peer's push; the peer keeps their share of its mass (docs/protocol.md)."""
+    peer's push; the peer keeps their share of its mass (docs/protocol.md). ``mu_settle`` (push
+    mode): push-sum weight the ledger moved to (+) or from (-) this peer to repair a loss or a
+    double count after a restart; the node adds it to its mu. ``withheld``: in-neighbours that kept
+    their whole share this step on purpose (not missing)."""
 
     received: dict[str, Message]
     missing: list[str] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_recv: int = 0
     undelivered: list[str] = field(default_factory=list)
+    mu_settle: float = 0.0
+    withheld: list[str] = field(default_factory=list)
 
 
 class TransportError(RuntimeError):
@@ -36,6 +41,8 @@ class Transport(ABC):
     wire_format: WireFormat = WireFormat()
     #: Bytes per data chunk (``network.chunk_kb``), for transports that count bytes by the codec's sizes.
     chunk_bytes: int = 1 << 20
+    #: Whether ``exchange`` takes ``withhold=True`` (push-sum: keep the whole share this step).
+    can_withhold: bool = False
 
     def configure_wire(self, fmt: WireFormat, chunk_bytes: int | None = None) -> None:
         """Set the run's wire format (and chunk size) before the first exchange."""
@@ -52,6 +59,14 @@ class Transport(ABC):
         """Asynchronous gossip: publish ``message`` and return the freshest payload held from each
         in-neighbour (any round >= ``message.round - max_staleness``), without a round barrier."""
         raise NotImplementedError(f"{type(self).__name__} has no asynchronous mode")
+
+    def ledger_state(self) -> dict[str, dict[str, float]] | None:
+        """Push-sum running totals to checkpoint with the state (None: this transport loses no mass)."""
+        return None
+
+    def restore_ledger(self, ledger: dict | None) -> None:
+        """Restore the running totals of the checkpoint being resumed (nothing by default)."""
+        return None
 
     def resumed_round(self) -> int:
         """The round this peer restarted at, whose lost pushes it recovers first (-1: a fresh start)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -72,6 +73,13 @@ DECISION_ROUNDS = 1024
 
 #: A waiting push is mixed only if its call has at least this long left to hear the answer.
 _ANSWER_MARGIN_S = 0.25
+
+#: Push-sum ledger (docs/protocol.md, "Push-sum mass"): invocation metadata of a Push carrying the
+#: sender's running total of the weight it gave this receiver before this push, the withhold flag,
+#: and the trailing metadata of the reply carrying the receiver's running total absorbed from it.
+GIVEN_MD = "p2pfl-given"
+KEEP_MD = "p2pfl-keep"
+ABSORBED_MD = "p2pfl-absorbed"
 
 _STATUS: dict[Reason, grpc.StatusCode] = {
     Reason.MISSING_HEADER: grpc.StatusCode.INVALID_ARGUMENT,
@@ -191,6 +199,14 @@ class PeerServer:
         self._requested: dict[str, int] = {}  # per neighbour: the highest round it pulled or pushed
         self._given: dict[str, tuple[int, dict[int, EncodedPayload]]] = {}  # push mode: last round mixed by each
         self._recovering: set[tuple[str, int, int]] = set()  # keys a restarted peer is asking its senders for
+        # Push-sum ledger, receiver side: per sender, the running total of mu it absorbed (checkpointed
+        # with the state); the sender's claimed running total per waiting push; the total after each
+        # mixed key (its reply); mass absorbed by settlement, not yet handed to the node.
+        self._absorbed: dict[str, float] = {}
+        self._claims: dict[tuple[str, int, int], float] = {}
+        self._absorbed_at: dict[tuple[str, int, int], float] = {}
+        self._settled: dict[str, float] = {}
+        self._withheld: set[tuple[str, int, int]] = set()  # keys whose sender kept its whole share
         self._round = 0
         self._served = 0
         self._pulls_served = 0
@@ -404,6 +420,8 @@ class PeerServer:
         forget = self._round - DECISION_ROUNDS
         for key in [k for k in self._decided if k[1] < forget]:
             del self._decided[key]
+            self._absorbed_at.pop(key, None)
+            self._withheld.discard(key)
 
     def gave(self, peer: str, round: int, step: int, payload: EncodedPayload) -> None:
         """Push mode: ``peer`` answered that it mixed ``payload`` for (round, step); keep the latest round's.
@@ -433,6 +451,7 @@ class PeerServer:
         with self._cond:
             if key not in self._decided and key not in self._inbox:
                 self._inbox[key] = (msg, nbytes)
+                self._claims.pop(key, None)  # the exact lost payload: no settlement with it
                 self._cond.notify_all()
 
     def recovering(self, key: tuple[str, int, int], active: bool) -> None:
@@ -449,6 +468,51 @@ class PeerServer:
         with self._cond:
             self._decided.setdefault(key, False)
             self._cond.notify_all()
+
+    # ---- push-sum ledger (receiver side) ----------------------------------------------------------
+
+    def absorbed(self) -> dict[str, float]:
+        """Per sender, the running total of push-sum weight this peer absorbed (goes into the checkpoint)."""
+        with self._cond:
+            return dict(self._absorbed)
+
+    def restore_absorbed(self, totals: dict[str, float]) -> None:
+        """Set the running totals from a checkpoint (the state they are consistent with)."""
+        with self._cond:
+            self._absorbed = {str(k): float(v) for k, v in totals.items()}
+
+    def pop_settled(self) -> dict[str, float]:
+        """Weight absorbed by settlement since the last call, per sender (the node adds it to its mu)."""
+        with self._cond:
+            out, self._settled = self._settled, {}
+            return out
+
+    def withheld(self, keys: Iterable[tuple[str, int, int]]) -> set[tuple[str, int, int]]:
+        """Those of ``keys`` whose sender withheld its share (it kept all its mass: mu below the floor)."""
+        with self._cond:
+            return {k for k in keys if k in self._withheld}
+
+    def _absorb(self, key: tuple[str, int, int], msg: Message) -> None:
+        """Ledger of a push being mixed (lock held): settle the sender's claim, then add this share.
+
+        The sender's claim is its running total given to this peer *before* this push. A claim above
+        this peer's running total absorbed means pushes it mixed were lost with its state (a restart
+        from an older checkpoint): the difference is absorbed now, in mu only (the node keeps its
+        de-biased model, so the mass comes back without moving the model). The share itself is the
+        weight ``combine`` is about to apply: W[i, j] * mu_j.
+        """
+        if self.mode != "push" or self.topology is None:
+            return
+        j, r, s = key
+        total = self._absorbed.get(j, 0.0)
+        claim = self._claims.pop(key, None)
+        if claim is not None and claim > total:
+            self._settled[j] = self._settled.get(j, 0.0) + (claim - total)
+            total = claim
+        share = self._plan(r, s).in_weights.get(j, 0.0) * float(msg.scalars.get("mu", 0.0))
+        total = total + share
+        self._absorbed[j] = total
+        self._absorbed_at[key] = total
 
     def requested_rounds(self) -> dict[str, int]:
         """Per neighbour, the highest round it pulled or pushed since the last call; resets them.
@@ -531,6 +595,7 @@ class PeerServer:
                         out[key[0]] = self._inbox.pop(key)
                         self._offers.pop(key, None)
                         self._decided[key] = True
+                        self._absorb(key, out[key[0]][0])
                 # A sender already pushing a later round gave this one up (it keeps that share):
                 # do not wait for it, or a receiver one round behind would stay behind for good.
                 waited = {k for k in waited if not self._moved_on(k) and self._decided.get(k) is not False}
@@ -806,6 +871,25 @@ class PeerServer:
                          f"topology hash {excerpt(h.topology_hash)} differs from this peer's {self.topology_hash!r} "
                          "(the peers run different topology files)")
         key = (caller, r, s)
+        md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        claim: float | None = None
+        if GIVEN_MD in md:
+            try:
+                claim = float(md[GIVEN_MD][:40])
+            except ValueError:
+                claim = math.nan
+            if not (math.isfinite(claim) and claim >= 0):
+                self._reject(context, what, caller, grpc.StatusCode.INVALID_ARGUMENT,
+                             f"metadata {GIVEN_MD} must be a finite number >= 0, got {excerpt(md[GIVEN_MD])}")
+        if md.get(KEEP_MD) == "1":  # the sender keeps its whole share this step: nothing to mix, no wait
+            with self._cond:
+                self._requested[caller] = max(self._requested.get(caller, -1), r)
+                if key not in self._decided:
+                    self._decided[key] = False
+                    self._withheld.add(key)
+                    self._cond.notify_all()
+            self._reject(context, what, caller, grpc.StatusCode.ABORTED,
+                         f"round {r} step {s}: the sender withholds its share (it keeps its mass)")
         with self._cond:
             self._requested[caller] = max(self._requested.get(caller, -1), r)
             why = None if key in self._decided else self._window_error(r)
@@ -835,13 +919,16 @@ class PeerServer:
             msg = dec.finish()
         except WireError as e:
             self._reject(context, what, caller, status_for(e), e.message)
-        mixed = self._offer(key, msg, dec.wire_bytes, context)
+        mixed = self._offer(key, msg, dec.wire_bytes, context, claim)
         if isinstance(mixed, _Rejected):
             self._reject(context, what, caller, mixed.code, mixed.message)
+        with self._cond:  # the running total right after this key was mixed: the sender settles with it
+            total = self._absorbed_at.get(key, self._absorbed.get(caller, 0.0))
+        context.set_trailing_metadata(((ABSORBED_MD, repr(float(total))),))
         return peer_pb2.PushReply(bytes_received=dec.wire_bytes if mixed else 0)
 
     def _offer(self, key: tuple[str, int, int], msg: Message, nbytes: int,
-               context: grpc.ServicerContext) -> bool | _Rejected:
+               context: grpc.ServicerContext, claim: float | None = None) -> bool | _Rejected:
         """Put a validated push in the inbox and wait for its fate; True: mixed (now or before).
 
         The answer is the receiver's decision, so the sender knows whether to keep the mass: OK =
@@ -866,6 +953,8 @@ class PeerServer:
                 return _Rejected(*why)
             self._inbox[key] = (msg, nbytes)
             self._offers[key] = context
+            if claim is not None:
+                self._claims[key] = claim
             self._cond.notify_all()
             try:
                 while True:
@@ -888,6 +977,7 @@ class PeerServer:
                 if self._inbox.get(key) is not None and self._decided.get(key) is not True:
                     self._inbox.pop(key, None)
                 self._offers.pop(key, None)
+                self._claims.pop(key, None)
 
     def _status(self, request: peer_pb2.StatusRequest, context: grpc.ServicerContext, call: Call) -> peer_pb2.StatusReply:
         if self.tls is not None:  # (plaintext callers have no identity to check)

@@ -36,6 +36,9 @@ from p2pfl.security.certs import TLSConfig
 from p2pfl.topology import MixingPlan, Topology
 from p2pfl.transport.base import ExchangeResult, Transport, TransportError
 from p2pfl.transport.grpc_service import (
+    ABSORBED_MD,
+    GIVEN_MD,
+    KEEP_MD,
     PULL_METHOD,
     PUSH_METHOD,
     STATUS_METHOD,
@@ -53,6 +56,14 @@ log = logging.getLogger(__name__)
 
 _BACKOFF_BASE_S = 0.05  # first pause before retrying a transient failure
 _BACKOFF_MAX_S = 1.0
+
+#: A push's fate as the sender learns it: mixed or not, and the receiver's running total absorbed
+#: from this peer right after it (None when the reply carried none).
+PushFate = tuple[bool, float | None]
+
+#: Of what a sender keeps in one step, at most this fraction settles a debt to a receiver (the rest
+#: next time), so settling never drives its weight to 0.
+_SETTLE_FRACTION = 0.5
 
 
 def backoff_s(attempt: int) -> float:
@@ -137,7 +148,10 @@ class GrpcTransport(Transport):
         self._pushed_reported = 0
         self._closed = False
         self._last_published: tuple[tuple[int, int], frozenset[str]] | None = None
-        self._pushes: list[futures.Future[bool]] = []
+        self._pushes: list[futures.Future[PushFate]] = []
+        # Push-sum ledger, sender side: per out-neighbour, the running total of mu given to it
+        # (checkpointed with the state; docs/protocol.md, "Push-sum mass").
+        self._given: dict[str, float] = {}
         self._down: set[str] = set()  # neighbours noticed down: probed briefly, not waited for
         self.probe_s = float(network_cfg.probe_s)
         self._latest: dict[tuple[str, int], Message] = {}  # async: freshest payload held per (peer, step)
@@ -234,13 +248,38 @@ class GrpcTransport(Transport):
 
     # ---- exchange ------------------------------------------------------------------------------
 
-    def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
-        """Publish/push ``message`` per ``plan``; collect the in-neighbours' payloads until ``deadline_s``."""
+    can_withhold = True
+
+    def exchange(self, message: Message, plan: MixingPlan, deadline_s: float,
+                 withhold: bool = False) -> ExchangeResult:
+        """Publish/push ``message`` per ``plan``; collect the in-neighbours' payloads until ``deadline_s``.
+
+        ``withhold`` (push mode): tell every out-neighbour that this peer keeps its whole share this
+        step (they mix without it at once, without waiting).
+        """
         self._check(message, plan)
         deadline = time.monotonic() + deadline_s
         if plan.mode == "push":
-            return self._exchange_push(message, plan, deadline)
+            return self._exchange_push(message, plan, deadline, withhold)
         return self._exchange_pull(message, plan, deadline)
+
+    # ---- push-sum ledger -----------------------------------------------------------------------
+
+    def ledger_state(self) -> dict[str, dict[str, float]] | None:
+        """The running totals given (this peer as sender) and absorbed (as receiver), for the checkpoint."""
+        if self.server.mode != "push":
+            return None
+        with self._lock:
+            given = dict(self._given)
+        return {"given": given, "absorbed": self.server.absorbed()}
+
+    def restore_ledger(self, ledger: dict[str, Any] | None) -> None:
+        """Restore the running totals saved with the checkpoint being resumed (the state they match)."""
+        if not isinstance(ledger, dict):
+            return
+        with self._lock:
+            self._given = {str(k): float(v) for k, v in dict(ledger.get("given") or {}).items()}
+        self.server.restore_absorbed({str(k): float(v) for k, v in dict(ledger.get("absorbed") or {}).items()})
 
     def _check(self, message: Message, plan: MixingPlan) -> None:
         if self._closed:
@@ -334,11 +373,15 @@ class GrpcTransport(Transport):
                 time.sleep(min(backoff_s(attempt), max(0.0, deadline - time.monotonic())))
         return None, nbytes, why
 
-    def _exchange_push(self, message: Message, plan: MixingPlan, deadline: float) -> ExchangeResult:
+    def _exchange_push(self, message: Message, plan: MixingPlan, deadline: float,
+                       withhold: bool = False) -> ExchangeResult:
         self.server.set_round(message.round)
         payload = encode_frames(message, self.chunk_bytes)
         tag = f"round {message.round} step {message.step}"
-        pushes = {k: self._pool.submit(self._push_checked, k, payload, deadline, tag) for k in plan.out_weights}
+        with self._lock:
+            claims = {k: self._given.get(k, 0.0) for k in plan.out_weights}
+        pushes = {k: self._pool.submit(self._push_checked, k, payload, deadline, tag, claims[k], withhold)
+                  for k in plan.out_weights}
         self._pushes = list(pushes.values())
         keys = [(j, message.round, message.step) for j in plan.in_weights]
         if message.round == self._resumed_round:
@@ -348,7 +391,11 @@ class GrpcTransport(Transport):
         alive = [j for j in plan.in_weights if self._alive(j)]
         got = self.server.take(keys, deadline, wait_for=alive)
         received = {j: got[j][0] for j in plan.in_weights if j in got}
-        missing = [j for j in plan.in_weights if j not in got]
+        held_back = {k[0] for k in self.server.withheld(keys)}
+        withheld = [j for j in plan.in_weights if j not in got and j in held_back]
+        missing = [j for j in plan.in_weights if j not in got and j not in held_back]
+        for j in withheld:
+            self._mark_up(j)
         for j in missing:
             log.warning("%s %s: no push from %s by the deadline", self.peer_id, tag, j)
             if j in alive:
@@ -357,16 +404,45 @@ class GrpcTransport(Transport):
             self._mark_up(j)
         # The fate of every own push is known before mixing: an undelivered share stays here.
         undelivered: list[str] = []
+        fates: dict[str, PushFate] = {}
         for k, job in pushes.items():
             try:
-                ok = job.result(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
+                fates[k] = job.result(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
             except futures.TimeoutError:  # pragma: no cover - each call is bounded by its deadline
-                ok = False
-            if not ok:
+                fates[k] = (False, None)
+            if not fates[k][0]:
                 undelivered.append(k)
+        settle = sum(self.server.pop_settled().values())
+        if settle:
+            log.warning("%s %s: absorbed %.6g of push-sum weight lost in a restart (settled by the ledger)",
+                        self.peer_id, tag, settle)
+        settle -= self._settle_given(message, plan, fates, undelivered, tag)
         recv = sum(n for _, n in got.values())
         return ExchangeResult(received=received, missing=missing, bytes_sent=self._take_sent(),
-                              bytes_recv=recv, undelivered=undelivered)
+                              bytes_recv=recv, undelivered=undelivered, mu_settle=settle, withheld=withheld)
+
+    def _settle_given(self, message: Message, plan: MixingPlan, fates: dict[str, PushFate],
+                      undelivered: list[str], tag: str) -> float:
+        """Add this step's delivered shares to the running totals given; return the weight this peer
+        still owes (a receiver absorbed more than this peer's state gave it: a push mixed there whose
+        answer this peer lost, e.g. in its own restart from an older checkpoint)."""
+        mu = float(message.scalars.get("mu", 0.0))
+        budget = _SETTLE_FRACTION * mu * (plan.self_weight + sum(plan.out_weights[k] for k in undelivered))
+        owed = 0.0
+        with self._lock:
+            for k, (ok, absorbed) in fates.items():
+                if not ok:
+                    continue
+                total = self._given.get(k, 0.0) + plan.out_weights[k] * mu
+                if absorbed is not None and absorbed > total:
+                    pay = min(absorbed - total, max(0.0, budget - owed))
+                    owed += pay
+                    total = absorbed if pay == absorbed - total else total + pay
+                self._given[k] = total
+        if owed:
+            log.warning("%s %s: gave %.6g of push-sum weight a receiver had already absorbed (settled by the ledger)",
+                        self.peer_id, tag, owed)
+        return owed
 
     def _recover_one(self, key: tuple[str, int, int], deadline: float) -> None:
         """After a restart, while waiting for the pushes of the resumed round: ask the sender (Pull,
@@ -386,18 +462,23 @@ class GrpcTransport(Transport):
         finally:
             self.server.recovering(key, False)
 
-    def _push_checked(self, peer: str, payload: EncodedPayload, deadline: float, tag: str) -> bool:
+    def _push_checked(self, peer: str, payload: EncodedPayload, deadline: float, tag: str,
+                      claim: float = 0.0, withhold: bool = False) -> PushFate:
         key = (peer, int(payload.header.round), int(payload.header.step))
         if key in self._mixed_pushes:  # mixed before this peer restarted: the same payload, not again
             log.info("%s %s: push to %s was mixed before the restart", self.peer_id, tag, peer)
             self.server.gave(peer, key[1], key[2], payload)
-            return True
+            return True, None
         if not self._alive(peer):
             log.warning("%s %s: push to %s skipped: neighbour is down; its share stays here", self.peer_id, tag, peer)
-            return False
-        return self._push_one(peer, payload, deadline, tag)
+            return False, None
+        md: tuple[tuple[str, str], ...] = ((GIVEN_MD, repr(float(claim))),)
+        if withhold:
+            md += ((KEEP_MD, "1"),)
+        return self._push_one(peer, payload, deadline, tag, md)
 
-    def _push_one(self, peer: str, payload: EncodedPayload, deadline: float, tag: str) -> bool:
+    def _push_one(self, peer: str, payload: EncodedPayload, deadline: float, tag: str,
+                  metadata: tuple[tuple[str, str], ...] = ()) -> PushFate:
         """Push ``payload`` to ``peer``; True once the receiver answered that it mixed it.
 
         The receiver answers only when it decided (mixed, or closed the step without it), so a
@@ -410,7 +491,8 @@ class GrpcTransport(Transport):
         attempt = 0
         while (left := deadline - time.monotonic()) > 0:
             try:
-                nbr.push(iter(payload), timeout=left, wait_for_ready=True)
+                _, call = nbr.push.with_call(iter(payload), timeout=left, wait_for_ready=True,
+                                             metadata=metadata or None)
             except grpc.RpcError as e:
                 code = e.code()
                 why = f"{code.name}: {bounded(e.details() or '', 300)}"
@@ -424,10 +506,12 @@ class GrpcTransport(Transport):
             self.server.gave(peer, int(payload.header.round), int(payload.header.step), payload)
             self._note_mixed(peer, int(payload.header.round), int(payload.header.step))
             self._mark_up(peer)
-            return True
+            return True, _absorbed(call)
+        if why.startswith("ABORTED") and any(k == KEEP_MD for k, _ in metadata):
+            return False, None  # withheld on purpose: the receiver knows; nothing failed
         self._failed(peer, why)
         log.warning("%s %s: push to %s not mixed (%s); its share stays here", self.peer_id, tag, peer, why[:300])
-        return False
+        return False, None
 
     # ---- asynchronous gossip -----------------------------------------------------------------
 
@@ -558,6 +642,18 @@ class GrpcTransport(Transport):
             n.channel.close()
         if self.owns_server:
             self.server.stop(1.0)
+
+
+def _absorbed(call: Any) -> float | None:
+    """The receiver's running total absorbed from this peer, from a Push reply's trailing metadata."""
+    for k, v in call.trailing_metadata() or ():
+        if k == ABSORBED_MD and isinstance(v, str):
+            try:
+                x = float(v[:40])
+            except ValueError:
+                return None
+            return x if x == x and x >= 0 and x != float("inf") else None
+    return None
 
 
 def _load_pushes_log(path: Path, round: int) -> set[tuple[str, int, int]]:
