@@ -47,6 +47,14 @@ app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="experiment config YAML")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override a config value: dotted.key=VALUE (repeatable)")]
+AddressesOpt = Annotated[Path | None, typer.Option(
+    "--addresses", help="address book (peer id -> host:port) placing the topology's peers; "
+    "same as --set network.addresses=FILE")]
+
+
+def _with_addresses(sets: list[str] | None, addresses: Path | None) -> list[str] | None:
+    """``--addresses FILE`` as the override it stands for (so `launch` hands it on to its nodes)."""
+    return sets if addresses is None else [*(sets or []), f"network.addresses={addresses}"]
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -161,10 +169,12 @@ def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="th
          metrics_host: Annotated[str, typer.Option(
              "--metrics-host", help="address /metrics listens on (0.0.0.0 for a scraper on another host)")]
          = "127.0.0.1",
-         set: SetOpt = None, verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
+         set: SetOpt = None, verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+         addresses: AddressesOpt = None) -> None:
     """Run one peer: serve its gRPC peer service and run its rounds (resumes from its checkpoint)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format=f"%(asctime)s %(levelname)s [{peer}] %(name)s: %(message)s")
+    set = _with_addresses(set, addresses)
     cfg = _load(config, set)
     _check_peer(cfg, peer, certs, insecure)
     from p2pfl.standalone import node_main
@@ -184,9 +194,11 @@ def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="th
 def launch(config: ConfigOpt, out: Annotated[Path | None, typer.Option(help="run folder")] = None,
            insecure: Annotated[bool, typer.Option("--insecure", help="plaintext gRPC (explicit opt-in)")] = False,
            timeout: Annotated[float | None, typer.Option(help="kill peers still running after this many seconds")] = None,
-           set: SetOpt = None, verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
+           set: SetOpt = None, verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+           addresses: AddressesOpt = None) -> None:
     """Start one `p2pfl node` process per peer on loopback (mutual TLS with generated certs)."""
     _setup_logging(verbose)
+    set = _with_addresses(set, addresses)
     cfg = _load(config, set)
     from p2pfl.standalone import launch as run_launch
 
@@ -248,10 +260,13 @@ def certs(config: ConfigOpt, out: Annotated[Path, typer.Option(help="folder for 
     """Make a CA and one certificate per peer id of CONFIG's topology (mutual TLS)."""
     cfg = _load(config, set)
     from p2pfl.security.certs import make_certs
-    from p2pfl.topology import load_topology
+    from p2pfl.topology.addressbook import placed_topology
 
-    topo = load_topology(cfg.topology)  # peer ids were checked with the config (no 'ca', no odd names)
-    hosts = {pid: [topo.address(pid).rpartition(":")[0].strip("[]"), *(host or [])] for pid in topo.ids}
+    # Peer ids were checked with the config (no 'ca', no odd names); a graph-only topology adds no host.
+    topo = placed_topology(cfg.topology, cfg.network.addresses)
+    placed = {pid: [topo.address(pid).rpartition(":")[0].strip("[]")] for pid in topo.ids} if topo.has_addresses \
+        else {pid: [] for pid in topo.ids}
+    hosts = {pid: [*placed[pid], *(host or [])] for pid in topo.ids}
     try:
         with _no_leftovers(out):
             make_certs(list(topo.ids), out, hosts=hosts, ca_key_dir=ca_key_dir)

@@ -77,6 +77,9 @@ class NetworkConfig(Section):
     chunk_kb: Annotated[int, Field(ge=1, le=65536)] = 1024
     insecure: bool = False
     certs: str | None = None  # folder made by `p2pfl certs`
+    # Address book (peer id -> host:port, p2pfl/topology/addressbook.py): where the peers run, kept
+    # out of the topology so its hash covers the graph only. None: the topology file's own addresses.
+    addresses: str | None = None
     # The round protocol (docs/protocol.md).
     mode: Literal["sync", "async"] = "sync"  # sync: round barrier; async: mix the freshest payloads held
     window: Annotated[int, Field(ge=1, le=64)] = 2  # past rounds a peer keeps serving (bounded skew)
@@ -415,6 +418,7 @@ def parse_config(data: dict[str, Any], base: Path | None = None, *, check_files:
     raw["topology"] = resolve_path(parsed.topology, base)
     if check_files:
         _check_topology(raw["topology"])
+    parsed = _resolve_addresses(parsed, raw, base, check_files)
     _check_robust_and_wire(parsed, algo, raw["topology"], check_files)
     ck = parsed.checkpoint
     return ExperimentConfig(
@@ -440,6 +444,7 @@ def _parse_app_config(data: dict[str, Any], base: Path | None, check_files: bool
     raw["topology"] = resolve_path(parsed.topology, base)
     if check_files:
         _check_topology(raw["topology"])
+    parsed = _resolve_addresses(parsed, raw, base, check_files)
     _check_robust_and_wire(parsed, {"name": "clientapp"}, raw["topology"], check_files)
     ck = parsed.checkpoint
     return ExperimentConfig(
@@ -543,6 +548,24 @@ def _check_data(d: DataConfig, base: Path | None, check_files: bool) -> None:
         if not root.is_dir():
             raise ConfigError(f"folder {shorten(d.root)!r} does not exist" if not root.exists()
                               else f"{shorten(d.root)!r} is not a folder", key="data.root")
+
+
+def _resolve_addresses(parsed: Any, raw: dict[str, Any], base: Path | None, check_files: bool) -> Any:
+    """``network.addresses`` resolved like ``topology`` (relative to the working directory, else the
+    config's folder) and, with ``check_files``, checked against the topology's peers."""
+    book = parsed.network.addresses
+    if book is None:
+        return parsed
+    path = resolve_path(book, base)
+    raw["network"] = {**raw.get("network", {}), "addresses": path}
+    if check_files:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"address book {shorten(book)!r} not found", key="network.addresses")
+        from p2pfl.topology.addressbook import placed_topology
+
+        placed_topology(raw["topology"], path)  # AddressBookError names the book file and key
+    return parsed.model_copy(update={"network": parsed.network.model_copy(update={"addresses": path})})
 
 
 def _check_topology(path: str) -> None:

@@ -24,7 +24,7 @@ from p2pfl.models import build_model, split_parameter_names
 from p2pfl.models.layout import ParamLayout
 from p2pfl.node import Node, Protocol, Recorder
 from p2pfl.peerapp import PeerApp
-from p2pfl.topology import Topology, load_topology
+from p2pfl.topology import Topology
 from p2pfl.transport.base import Transport
 from p2pfl.wire.compress import WireFormat
 from p2pfl.wire.pipeline import PayloadPipeline
@@ -58,7 +58,11 @@ class Experiment:
 
     @cached_property
     def topology(self) -> Topology:
-        return load_topology(self.cfg.topology)
+        """The config's graph, with its peers placed by ``network.addresses`` when the config names an
+        address book (the hash is the graph's either way; the simulation needs no addresses)."""
+        from p2pfl.topology.addressbook import placed_topology
+
+        return placed_topology(self.cfg.topology, getattr(self.cfg.network, "addresses", None))
 
     @cached_property
     def dataset(self) -> ArrayDataset:

@@ -135,6 +135,14 @@ def launch(config: Path, cfg: ExperimentConfig, out_dir: Path, sets: list[str], 
     exp = Experiment.from_config(cfg)
     topo = exp.topology
     run = RunFolder.start(out_dir, cfg, topo, exp.partition, "launch")
+    if not topo.has_addresses:
+        # A graph-only topology and no address book: place the peers on loopback ports free now, in an
+        # address book the run folder keeps (the topology, and so its hash, stay as they are).
+        from p2pfl.topology.addressbook import loopback_book
+
+        book = out_dir / "addresses.yaml"
+        loopback_book(topo).dump(book, topo)
+        sets = [*sets, f"network.addresses={book.resolve()}"]
     certs_dir = out_dir / "certs"
     if not insecure:
         import tempfile

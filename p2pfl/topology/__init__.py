@@ -1,6 +1,7 @@
 """Topology: which peers mix with which, with what weights, in every round.
 
-Parse and validate topology files (`load_topology`), generate standard graphs (`generate`), build
+Parse and validate topology files (`load_topology`), place peers with an address book
+(`p2pfl.topology.addressbook`, imported on demand), generate standard graphs (`generate`), build
 mixing matrices and their spectral gap, and produce each peer's per-round `MixingPlan` as a pure
 function of (topology, seed, round, step). The file format is documented in ``topology/README.md``.
 """

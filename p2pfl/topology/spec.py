@@ -6,6 +6,11 @@ Every peer loads the same file and derives the same plans from it; `Topology.has
 payload header so a peer running a different file is rejected instead of silently mixing with the
 wrong weights. The format is documented in ``topology/README.md``.
 
+Where each peer runs is not part of the graph: an address book (`p2pfl.topology.addressbook`)
+places the peers, and the hash covers the graph alone, so moving a peer to another host (compose,
+Kubernetes, another machine) changes the address book, never the topology's identity. Older files
+that still give each peer an address keep working: those addresses are the default address book.
+
 Every `Topology` is valid by construction (`__post_init__` validates), so code that holds one never
 has to re-check connectivity or weights.
 """
@@ -19,7 +24,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any
@@ -27,7 +32,7 @@ from typing import Annotated, Any
 import networkx as nx
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from p2pfl.badinput import BadInput
 from p2pfl.yamlsafe import YamlLimits, load_yaml_file
@@ -45,6 +50,7 @@ from .schedule import SCHEDULE_KINDS, MixingPlan, Schedule, check_mode, plan_fro
 
 __all__ = [
     "ExplicitWeights",
+    "check_addresses",
     "Peer",
     "Topology",
     "TopologyError",
@@ -78,10 +84,11 @@ class TopologyError(BadInput):
 
 @dataclass(frozen=True)
 class Peer:
-    """One peer: its id (also its certificate name) and the ``host:port`` its peer service listens on."""
+    """One peer: its id (also its certificate name) and, once placed, the ``host:port`` its peer
+    service listens on (None in a graph-only topology: the address book says where it runs)."""
 
     id: str
-    address: str
+    address: str | None = None
 
 
 @dataclass(frozen=True)
@@ -159,9 +166,31 @@ class Topology:
         except KeyError:
             raise KeyError(f"unknown peer {peer_id!r} in topology {self.name!r}") from None
 
+    @property
+    def has_addresses(self) -> bool:
+        """Whether the peers are placed (every peer has an address; a topology has all or none)."""
+        return self.peers[0].address is not None
+
     def address(self, peer_id: str) -> str:
-        """The ``host:port`` of ``peer_id``."""
-        return self.peers[self.index(peer_id)].address
+        """The ``host:port`` of ``peer_id``; `TopologyError` when the topology is the graph alone."""
+        address = self.peers[self.index(peer_id)].address
+        if address is None:
+            raise TopologyError(
+                f"topology {self.name!r} gives no address for peer {peer_id!r} (it describes the graph only): "
+                "name an address book with network.addresses (or --addresses FILE)"
+            )
+        return address
+
+    def with_addresses(self, addresses: Mapping[str, str]) -> Topology:
+        """The same graph with every peer placed at ``addresses[peer_id]`` (validated; the hash is unchanged)."""
+        missing = [pid for pid in self.ids if pid not in addresses]
+        if missing:
+            raise TopologyError(f"no address for peer {missing[0]!r} ({len(missing)} peers missing)")
+        return replace(self, peers=tuple(Peer(id=p.id, address=addresses[p.id]) for p in self.peers))
+
+    def graph_only(self) -> Topology:
+        """The same graph with no addresses (what a topology file written beside an address book holds)."""
+        return replace(self, peers=tuple(Peer(id=p.id) for p in self.peers))
 
     def graph(self) -> nx.Graph:
         """The static graph as networkx (`DiGraph` when directed), nodes are peer ids in peer order."""
@@ -257,7 +286,7 @@ class Topology:
         out: dict[str, Any] = {
             "name": self.name,
             "directed": self.directed,
-            "peers": [{"id": p.id, "address": p.address} for p in self.peers],
+            "peers": [p.id if p.address is None else {"id": p.id, "address": p.address} for p in self.peers],
             "edges": [[s, t] for s, t in self.edges],
         }
         if isinstance(self.weights, ExplicitWeights):
@@ -278,9 +307,11 @@ class Topology:
     def hash(self) -> str:
         """First 16 hex chars of the sha256 of a canonical JSON of the content that affects mixing.
 
-        Covers peer ids and addresses (in order), ``directed``, edges, weights and schedule; not the
-        cosmetic ``name``. Edges are canonicalized (undirected pairs in peer order, then sorted) so
-        two files describing the same graph agree.
+        Covers the graph: peer ids (in order), ``directed``, edges, weights and schedule; not the
+        cosmetic ``name`` and not the addresses (where peers run is the address book's business, so
+        simulate, launch, compose and Kubernetes agree on the hash of one graph). Edges are
+        canonicalized (undirected pairs in peer order, then sorted) so two files describing the same
+        graph agree.
         """
         idx = self._derived.index
         edges = []
@@ -291,7 +322,7 @@ class Topology:
             edges.append((a, b))
         ids = self.ids
         canon = {
-            "peers": [[p.id, p.address] for p in self.peers],
+            "peers": list(ids),
             "directed": self.directed,
             "edges": [[ids[a], ids[b]] for a, b in sorted(edges)],
             "weights": (
@@ -307,7 +338,7 @@ class Topology:
     def to_yaml(self) -> str:
         """The file as YAML text (peers and edges one per line, in flow style, for readability)."""
         data = self.to_dict()
-        data["peers"] = [_FlowMap(p) for p in data["peers"]]
+        data["peers"] = [_FlowMap(p) if isinstance(p, dict) else p for p in data["peers"]]
         data["edges"] = [_FlowList(e) for e in data["edges"]]
         if isinstance(data["weights"], dict):
             data["weights"]["matrix"] = {k: _FlowMap(v) for k, v in data["weights"]["matrix"].items()}
@@ -361,6 +392,29 @@ def _fmt_ids(ids: Iterable[str], limit: int = 6) -> str:
     return "{" + shown + (f", ... ({len(ids)} peers)" if len(ids) > limit else "") + "}"
 
 
+def check_addresses(pairs: Iterable[tuple[str, Any]]) -> None:
+    """Every ``(peer id, address)`` is a well-formed ``host:port`` and no two name the same socket
+    (after normalization: ``localhost`` is 127.0.0.1, host names compare case-insensitively, ...).
+
+    The one address check, shared by topology files that still carry addresses and address books.
+    """
+    by_address: dict[str, tuple[str, str]] = {}
+    for pid, address in pairs:
+        if not isinstance(address, str):
+            raise TopologyError(f"peer {pid!r}: address must be a string 'host:port', got {_short(address)!r}")
+        try:
+            if _ADDRESS_RE.match(address) is None:
+                raise AddressError("expected 'host:port'")
+            canon = canonical_address(address)
+        except AddressError as e:
+            raise TopologyError(f"peer {pid!r}: malformed address {_short(address)!r} ({e})") from None
+        if canon in by_address:
+            first, other = by_address[canon]
+            same = "" if other == address else f", the same socket as {other!r}"
+            raise TopologyError(f"duplicate address {_short(address)!r} (peers {first!r} and {pid!r}{same})")
+        by_address[canon] = (pid, address)
+
+
 def _validate(t: Topology) -> _Derived:
     """Check every rule of the format; return the derived indices. Raises TopologyError."""
     if not isinstance(t.name, str) or not t.name:
@@ -372,7 +426,6 @@ def _validate(t: Topology) -> _Derived:
     if not t.peers:
         raise TopologyError("no peers: a topology needs at least one peer")
     index: dict[str, int] = {}
-    by_address: dict[str, str] = {}
     for i, p in enumerate(t.peers):
         if not isinstance(p, Peer):
             raise TopologyError(f"peer #{i} is not a Peer: {p!r}")
@@ -384,22 +437,14 @@ def _validate(t: Topology) -> _Derived:
         if p.id in index:
             raise TopologyError(f"duplicate peer id {p.id!r} (peers #{index[p.id]} and #{i})")
         index[p.id] = i
-        if not isinstance(p.address, str):
-            raise TopologyError(f"peer {p.id!r}: address must be a string 'host:port', got {p.address!r}")
-        m = _ADDRESS_RE.match(p.address)
-        try:
-            if m is None:
-                raise AddressError("expected 'host:port'")
-            canon = canonical_address(p.address)
-        except AddressError as e:
-            raise TopologyError(f"peer {p.id!r}: malformed address {_short(p.address)!r} ({e})") from None
-        if canon in by_address:
-            other = t.peers[index[by_address[canon]]].address
-            same = "" if other == p.address else f", the same socket as {other!r}"
-            raise TopologyError(
-                f"duplicate address {p.address!r} (peers {by_address[canon]!r} and {p.id!r}{same})"
-            )
-        by_address[canon] = p.id
+    placed = [p for p in t.peers if p.address is not None]
+    if placed and len(placed) != len(t.peers):
+        bare = next(p for p in t.peers if p.address is None)
+        raise TopologyError(
+            f"peer {bare.id!r} has no address but peer {placed[0].id!r} has one: give every peer an address, "
+            "or none (and place them with an address book)"
+        )
+    check_addresses((p.id, p.address) for p in placed)
     n = len(t.peers)
     ids = tuple(p.id for p in t.peers)
 
@@ -625,7 +670,7 @@ class _Entry(BaseModel):
 
 class _PeerEntry(_Entry):
     id: str
-    address: str
+    address: str | None = None
 
 
 class _ScheduleEntry(_Entry):
@@ -639,10 +684,18 @@ class TopologyFile(_Entry):
 
     name: str | None = None
     directed: bool = False
-    peers: list[_PeerEntry] | None = None
+    peers: list[_PeerEntry] | None = None  # ids (graph only), or {id, address} (addresses inline)
     edges: list[Annotated[list[str], Field(min_length=2, max_length=2)]] | None = None
     weights: Any = None  # a kind name, or {kind: explicit, matrix: ...}: checked below
     schedule: _ScheduleEntry | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_ids(cls, data: Any) -> Any:
+        """A peer given by its id alone (``- p0``, the graph-only form) is ``{id: p0}``."""
+        if isinstance(data, dict) and isinstance(data.get("peers"), list):
+            data = {**data, "peers": [{"id": p} if isinstance(p, str) else p for p in data["peers"]]}
+        return data
 
 
 def _parse(data: Any, source: str) -> Topology:
@@ -665,7 +718,7 @@ def _parse(data: Any, source: str) -> Topology:
         raise TopologyError("name must be a non-empty string", key="name")
     directed = f.directed
     if not f.peers:
-        raise TopologyError("no peers: 'peers' must list at least one {id, address}")
+        raise TopologyError("no peers: 'peers' must list at least one peer id")
     peers = [Peer(id=p.id, address=p.address) for p in f.peers]
     edges: list[tuple[str, str]] = [(e[0], e[1]) for e in f.edges or []]
     schedule = None if f.schedule is None else Schedule(kind=f.schedule.kind, k=f.schedule.k)
