@@ -296,48 +296,47 @@ def health(address: Annotated[str, typer.Argument(help="host:port of a peer")],
 @app.command()
 def algorithms(name: Annotated[str | None, typer.Argument(help="one algorithm (default: all)")] = None) -> None:
     """List the algorithms with their hyperparameters, defaults, accepted values and paper presets."""
-    from p2pfl.algorithms.hyperparameters import algorithm_table, describe
-    from p2pfl.algorithms.presets import presets_for
+    from p2pfl.badinput import shorten, suggest
+    from p2pfl.catalog import load
 
-    rows = algorithm_table()
+    rows = load()["algorithms"]  # no torch: the catalog is derived from the implementations
     if name is not None:
-        describe(name)  # BadInput with the list of algorithms for an unknown name
-        rows = [r for r in rows if r[0] == name]
-    for algo, shares, doc in rows:
-        typer.echo(f"{algo}  (shares: {shares}) {doc}")
-        for key, default, accepted in describe(algo):
-            typer.echo(f"    {key:<18} default {default!r:<12} {accepted}")
-        presets = presets_for(algo)
-        typer.echo(f"    presets: {', '.join(presets) if presets else '-'}")
+        names = [r["name"] for r in rows]
+        if name not in names:
+            close = suggest(name, names)
+            raise BadInput(f"unknown algorithm {shorten(repr(name))}", key="algorithm.name", allowed=sorted(names),
+                           hint=f"did you mean {close!r}?" if close else None)
+        rows = [r for r in rows if r["name"] == name]
+    for row in rows:
+        typer.echo(f"{row['name']}  (shares: {row['shares']}) {row['doc']}")
+        for key, default, accepted in row["hyperparameters"]:
+            typer.echo(f"    {key:<18} default {default:<12} {accepted}")
+        typer.echo(f"    presets: {', '.join(row['presets']) if row['presets'] else '-'}")
 
 
 @app.command()
 def models() -> None:
     """List the models (``model.name``) and the extra parameters each accepts."""
-    import inspect
+    from p2pfl.catalog import load
 
-    from p2pfl.models import model_names
-    from p2pfl.models.registry import _REGISTRY, model_parameters
-
-    for name in model_names():
-        sig = inspect.signature(_REGISTRY[name].__init__).parameters
-        params = ", ".join(f"{p}={sig[p].default!r}" for p in model_parameters(name)) or "-"
-        typer.echo(f"{name:<10} params: {params}")
+    for row in load()["models"]:
+        params = ", ".join(f"{p}={default}" for p, default in row["params"]) or "-"
+        typer.echo(f"{row['name']:<10} params: {params}")
 
 
 @app.command()
 def datasets() -> None:
     """List the datasets (``data.dataset``), their parameters and the partition kinds."""
-    from p2pfl.data.datasets import KNOWN_DATASETS, dataset_parameters
-    from p2pfl.data.partition import PARTITION_KINDS, partition_parameters
+    from p2pfl.catalog import load
 
-    for name in KNOWN_DATASETS:
-        params = ", ".join(f"{k}={v!r}" for k, v in dataset_parameters(name).items()) or "-"
-        typer.echo(f"{name:<14} params: {params}")
+    catalog = load()
+    for row in catalog["datasets"]:
+        params = ", ".join(f"{k}={v}" for k, v in row["params"]) or "-"
+        typer.echo(f"{row['name']:<14} params: {params}")
     typer.echo("partitions (data.partition.kind):")
-    for kind in PARTITION_KINDS:
-        keys, required = partition_parameters(kind)
-        typer.echo(f"    {kind:<20} {', '.join(keys)}" + (f"  (required: {required})" if required else ""))
+    for row in catalog["partitions"]:
+        required = row["required"]
+        typer.echo(f"    {row['kind']:<20} {', '.join(row['keys'])}" + (f"  (required: {required})" if required else ""))
 
 
 def print_summary(summary: dict, run_dir: Path) -> None:
