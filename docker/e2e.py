@@ -42,7 +42,6 @@ from p2pfl.node_metrics import parse_exposition  # noqa: E402
 
 PEERS = 4
 VICTIM = "p1"
-IMAGE = "p2pfl:cpu"
 
 
 def log(msg: str) -> None:
@@ -83,7 +82,7 @@ def free_ports(n: int) -> list[int]:
 class Deployment:
     """One compose project in a temporary folder; `down` removes everything it started."""
 
-    def __init__(self, work: Path, rounds: int) -> None:
+    def __init__(self, work: Path, rounds: int, clientapp: bool = False) -> None:
         from p2pfl.topology.generators import generate
 
         self.work = work
@@ -93,13 +92,15 @@ class Deployment:
         topo = generate("ring", PEERS, base_port=ports[0], name="e2e-ring-4")
         topo.dump(work / "topology.yaml")
         self.metrics_base = ports[PEERS]
-        cfg = (REPO / "peers" / "compose-ring4.yaml").read_text()
+        self.clientapp = clientapp
+        self.sets = ["topology=topology.yaml", "name=e2e", f"rounds={rounds}", "device=cpu",
+                     "network.round_timeout_s=120"]
+        if clientapp:  # a Flower ClientApp written in Flower's quickstart style: the Flower image variant
+            cfg = (REPO / "peers" / "quickstart.yaml").read_text()
+        else:
+            cfg = (REPO / "peers" / "compose-ring4.yaml").read_text()
+            self.sets += ["data.partition.samples_per_client=600", "data.partition.test_size=200"]
         (work / "config.yaml").write_text(cfg)
-        self.sets = [
-            "topology=topology.yaml", "name=e2e", f"rounds={rounds}", "device=cpu",
-            "data.partition.samples_per_client=600", "data.partition.test_size=200",
-            "network.round_timeout_s=120",
-        ]
         self.compose_file = work / "docker-compose.yml"
         self.uid = 1000 if os.geteuid() == 0 else os.getuid()
         self.env = {**os.environ, "P2PFL_UID": str(self.uid), "P2PFL_GID": str(self.uid if os.geteuid() else 1000),
@@ -112,7 +113,9 @@ class Deployment:
         self.up = False
 
     def p2pfl(self, *args: str) -> None:
-        run([sys.executable, "-m", "p2pfl.cli", *args], timeout=300, cwd=self.work)
+        # from the repo: a ClientApp config names its app as `peers.quickstart:app`, importable from there
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        run([sys.executable, "-m", "p2pfl.cli", *args], timeout=300, cwd=self.work, env=env)
 
     def generate(self) -> None:
         sets = [a for s in self.sets for a in ("--set", s)]
@@ -185,7 +188,7 @@ def last_records(path: Path) -> dict[int, dict[str, Any]]:
 
 
 def e2e(args: argparse.Namespace, work: Path, result: dict[str, Any]) -> None:
-    dep = Deployment(work, args.rounds)
+    dep = Deployment(work, args.rounds, clientapp=args.clientapp)
     result["_dep"] = dep
     dep.generate()
     doc = dep.doc()
@@ -197,16 +200,18 @@ def e2e(args: argparse.Namespace, work: Path, result: dict[str, Any]) -> None:
 
     # every service runs the same image: building the one service that has the build section makes it
     builder = next(name for name, svc in services.items() if "build" in svc)
+    image = services[builder]["image"]
+    result["image"] = image
     log(f"building the image through the compose build section ({dep.compose_file.name}, {builder})")
     t0 = time.monotonic()
     if args.skip_build:
-        log(f"--skip-build: using the existing {IMAGE}")
+        log(f"--skip-build: using the existing {image}")
     else:
         dep.compose("build", builder, timeout=args.build_timeout)
         result["build_s"] = round(time.monotonic() - t0, 1)
-    result["image_mb"] = round(int(run(["docker", "image", "inspect", "-f", "{{.Size}}", IMAGE],
+    result["image_mb"] = round(int(run(["docker", "image", "inspect", "-f", "{{.Size}}", image],
                                        timeout=60).stdout.strip()) / 1e6, 1)
-    log(f"image {IMAGE}: {result['image_mb']} MB, build {result['build_s']} s")
+    log(f"image {image}: {result['image_mb']} MB, build {result['build_s']} s")
 
     t_run = time.monotonic()
     deadline = t_run + args.timeout
@@ -320,7 +325,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1500, help="seconds for the run (after the build)")
     parser.add_argument("--build-timeout", type=float, default=1200)
     parser.add_argument("--keep", action="store_true", help="leave the deployment folder (debugging)")
-    parser.add_argument("--skip-build", action="store_true", help=f"run the existing {IMAGE} (no build_s)")
+    parser.add_argument("--skip-build", action="store_true", help="run the existing image (no build_s)")
+    parser.add_argument("--clientapp", action="store_true",
+                        help="deploy peers/quickstart.yaml (a Flower ClientApp) on the Flower image variant")
     args = parser.parse_args()
     if shutil.which("docker-compose") is None:
         print("e2e: docker-compose not found (make e2e installs it)", file=sys.stderr)

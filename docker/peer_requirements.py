@@ -8,7 +8,12 @@ this, so they always agree. PyTorch is left out too: the image installs it on it
 the wheelhouse, or a CUDA wheel index), pinned by a build argument. Standard library only (tomllib),
 so it runs with the base image's bare ``python3``.
 
-    python3 docker/peer_requirements.py [pyproject.toml]
+``--flower`` keeps Flower in the list: the image variant for configs that run a user's Flower
+ClientApp (``app:``), built with ``--build-arg FLOWER=1`` (``p2pfl compose`` does so for such a config).
+Flower brings its server stack along (fastapi, sqlalchemy, uvicorn, uv: about 100 MB), which a peer
+running a built-in algorithm never imports, so the default image goes without it.
+
+    python3 docker/peer_requirements.py [--flower] [pyproject.toml]
 """
 
 from __future__ import annotations
@@ -22,17 +27,21 @@ from pathlib import Path
 EXCLUDED = frozenset({"flwr", "torch", "torchvision", "matplotlib"})
 
 
-def peer_requirements(pyproject: Path) -> list[str]:
-    """The runtime requirement strings of ``pyproject`` minus `EXCLUDED`, comments stripped."""
+def peer_requirements(pyproject: Path, *, flower: bool = False) -> list[str]:
+    """The runtime requirement strings of ``pyproject`` minus `EXCLUDED` (Flower kept if ``flower``)."""
     deps = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["dependencies"]
+    excluded = EXCLUDED - {"flwr"} if flower else EXCLUDED
     out = []
     for dep in deps:
         name = re.split(r"[\s<>=!~;\[]", dep, maxsplit=1)[0].lower().replace("_", "-")
-        if name not in EXCLUDED:
+        if name not in excluded:
             out.append(dep.strip())
     return out
 
 
 if __name__ == "__main__":
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "pyproject.toml"
-    print("\n".join(peer_requirements(path)))
+    argv = sys.argv[1:]
+    with_flower = "--flower" in argv
+    argv = [a for a in argv if a != "--flower"]
+    path = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "pyproject.toml"
+    print("\n".join(peer_requirements(path, flower=with_flower)))

@@ -16,7 +16,8 @@ mkdir -p "$OUT"
 
 req="$(mktemp)"; cons="$(mktemp)"
 trap 'rm -f "$req" "$cons"' EXIT
-python3 docker/peer_requirements.py > "$req"
+# --flower: the wheels of both image variants (the default one and the ClientApp one, FLOWER=1)
+python3 docker/peer_requirements.py --flower > "$req"
 # Build backend of the p2pfl package itself (pip builds it from source inside the image).
 printf 'setuptools>=68\nwheel\n' >> "$req"
 if [ -x .venv/bin/pip ]; then

@@ -22,6 +22,7 @@ import yaml
 from typer.testing import CliRunner
 
 from p2pfl.deploy.compose import (
+    IN_ADDRESSES,
     IN_CERTS,
     IN_TOPOLOGY,
     ComposeError,
@@ -32,6 +33,7 @@ from p2pfl.deploy.compose import (
 )
 from p2pfl.security.certs import make_certs
 from p2pfl.topology import load_topology, parse_topology
+from p2pfl.topology.addressbook import placed_topology
 from tests.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,7 +84,7 @@ def _docker_compose_config(path: Path) -> dict[str, Any]:
 
 def test_committed_compose_file_is_current() -> None:
     dep = render_compose(Path("peers/compose-ring4.yaml"), out=Path("docker-compose.yml"))
-    assert dep.topology_copy is None, "the example topology must already use service-name addresses"
+    assert dep.address_book is None, "the example topology must already use service-name addresses"
     assert COMMITTED.read_text(encoding="utf-8") == dep.text, (
         "docker-compose.yml is stale: regenerate it from the repo root with "
         "`p2pfl compose --config peers/compose-ring4.yaml --out docker-compose.yml`"
@@ -109,7 +111,10 @@ def _check_deployment(compose_file: Path, ids: list[str]) -> dict[str, Any]:
     services = doc["services"]
     mounted_topologies = {_bind_sources(svc, base)[IN_TOPOLOGY] for svc in services.values()}
     assert len(mounted_topologies) == 1, "every container must mount the same topology file"
-    topo = load_topology(mounted_topologies.pop())
+    books = {_bind_sources(svc, base).get(IN_ADDRESSES) for svc in services.values()}
+    assert len(books) == 1, "every container must mount the same address book (or none)"
+    book = books.pop()
+    topo = placed_topology(mounted_topologies.pop(), book)
     assert list(topo.ids) == ids
     assert len(services) == len(ids)
     for peer in topo.peers:
@@ -123,7 +128,8 @@ def _check_deployment(compose_file: Path, ids: list[str]) -> dict[str, Any]:
         assert svc["cpus"] > 0 and svc["mem_limit"]
         assert svc["healthcheck"]["test"] == ["CMD", "p2pfl-entrypoint", "--healthcheck"]
         assert "depends_on" not in svc  # cyclic graphs: peers wait for each other instead
-        assert svc["command"][-2:] == ["--set", f"topology={IN_TOPOLOGY}"]
+        assert svc["command"][-2:] == (["--set", f"topology={IN_TOPOLOGY}"] if book is None
+                                       else ["--set", f"network.addresses={IN_ADDRESSES}"])
     assert doc["x-p2pfl"]["topology_hash"] == topo.hash()
     assert "version" not in doc  # obsolete in the Compose Specification
     # one service builds the image (compose would build it once per service), all run it by its tag
@@ -168,16 +174,19 @@ def test_cert_paths_exist_after_make_certs(tmp_path: Path) -> None:
         assert not any(f"/{q}.key" in v for v in vols for q in others), "a container must not see other keys"
 
 
-def test_loopback_topology_is_rewritten_to_service_names(tmp_path: Path) -> None:
+def test_loopback_topology_is_placed_by_an_address_book(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, peers=5)  # 127.0.0.1:50050.. addresses
+    before = (tmp_path / "topology.yaml").read_text()
     out = tmp_path / "deploy" / "compose.yml"
     res = CliRunner().invoke(_cli(), ["--config", str(cfg), "--out", str(out)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    copy = out.parent / "compose.topology.yaml"
-    assert copy.is_file()
-    original, rewritten = load_topology(tmp_path / "topology.yaml"), load_topology(copy)
-    assert rewritten.ids == original.ids and rewritten.edges == original.edges
-    assert [p.address for p in rewritten.peers] == [f"peer-p{i}:{50050 + i}" for i in range(5)]
+    book = out.parent / "compose.addresses.yaml"
+    assert (tmp_path / "topology.yaml").read_text() == before  # never rewritten
+    assert not (out.parent / "compose.topology.yaml").exists()
+    original, placed = load_topology(tmp_path / "topology.yaml"), placed_topology(tmp_path / "topology.yaml", book)
+    assert placed.hash() == original.hash() and placed.edges == original.edges
+    assert [p.address for p in placed.peers] == [f"peer-p{i}:{50050 + i}" for i in range(5)]
+    assert yaml.safe_load(out.read_text())["x-p2pfl"]["addresses"] == "./compose.addresses.yaml"
     _check_deployment(out, [f"p{i}" for i in range(5)])
     _docker_compose_config(out)
 
@@ -224,7 +233,7 @@ def test_host_network_keeps_loopback_addresses_and_validates(tmp_path: Path) -> 
                                       "--metrics-port", "47200", "--cpus", "0.5", "--memory", "1g",
                                       "--restarts", "5"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    assert not (out.parent / "docker-compose.topology.yaml").exists()  # used as is: no rewrite
+    assert not (out.parent / "docker-compose.addresses.yaml").exists()  # used as they are: no address book
     resolved = _docker_compose_config(out)
     doc = yaml.safe_load(out.read_text())
     assert doc["x-p2pfl"]["network"] == "host"
@@ -420,3 +429,35 @@ def test_module_imports_lazily() -> None:
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_clientapp_config_gets_the_flower_image_and_its_package(tmp_path: Path) -> None:
+    """A config naming a Flower ClientApp runs on the Flower variant of the image (FLOWER=1 build argument),
+    with the app's package mounted read-only on the containers' PYTHONPATH; a built-in config does not."""
+    out = tmp_path / "deploy" / "docker-compose.yml"
+    doc = yaml.safe_load(render_compose(REPO / "peers" / "quickstart.yaml", out=out, network="host").text)
+    services = doc["services"]
+    assert {svc["image"] for svc in services.values()} == {"p2pfl:cpu-flower"}
+    builders = [svc for svc in services.values() if "build" in svc]
+    assert len(builders) == 1 and builders[0]["build"]["args"] == {"FLOWER": "1"}
+    for svc in services.values():
+        assert svc["environment"]["PYTHONPATH"] == "/p2pfl/app"
+        mounts = _bind_sources(svc, out.parent)
+        assert mounts["/p2pfl/app/peers"] == (REPO / "peers").resolve()
+        assert next(v for v in svc["volumes"] if v.split(":")[1] == "/p2pfl/app/peers").endswith(":ro")
+    plain = yaml.safe_load(render_compose(EXAMPLE_CONFIG, out=out).text)["services"]
+    assert all("PYTHONPATH" not in svc["environment"] and svc["image"] == "p2pfl:cpu" for svc in plain.values())
+    assert all("args" not in svc.get("build", {}) for svc in plain.values())
+    # the Flower variant's requirement list keeps flwr; the default one leaves it out
+    res = subprocess.run([sys.executable, str(REPO / "docker" / "peer_requirements.py"), "--flower"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and any(r.startswith("flwr") for r in res.stdout.split()), res.stderr
+
+
+def test_clientapp_whose_package_cannot_be_found_is_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / "app.yaml"
+    text = (REPO / "peers" / "quickstart.yaml").read_text().replace("peers.quickstart:app", "nosuchpkg_x.mod:app")
+    cfg.write_text(text.replace("topology/ring-8.yaml", str(REPO / "topology" / "ring-8.yaml")))
+    with pytest.raises(ComposeError, match="cannot find 'nosuchpkg_x'"):
+        render_compose(cfg, out=tmp_path / "d" / "docker-compose.yml", network="host")
+    assert not (tmp_path / "d").exists()

@@ -8,13 +8,15 @@ committed example (``docker-compose.yml``) is current.
 
 Decisions (the user-facing version is in ``docker/README.md``):
 
-* **Addresses.** Containers find each other by compose service name. When every topology address
-  is ``<service>:<port>`` with distinct DNS-label hosts, the topology is used as is and each service
-  is named after its peer's host. Otherwise (e.g. the ``127.0.0.1:5005x`` addresses that
-  ``p2pfl topology gen`` writes) the generator writes a copy, ``<out stem>.topology.yaml`` next to
-  the compose file, with ``peer-<id>:<port>`` addresses (ports kept) and mounts that copy instead.
-  Rewriting rather than refusing lets any config deploy unchanged; the copy's topology hash differs
-  from the original's, which is harmless because every container mounts the same copy.
+* **Addresses.** Containers find each other by compose service name. The topology file is mounted
+  as it is (never rewritten: its hash covers the graph only, so it is the same hash as in simulate,
+  launch and Kubernetes); where peers run comes from an address book. When the topology file's own
+  addresses are all ``<service>:<port>`` with distinct DNS-label hosts (and the config names no
+  address book), they are used as they are and each service is named after its peer's host.
+  Otherwise (a graph-only topology, the ``127.0.0.1:5005x`` addresses ``p2pfl topology gen``
+  writes, or the config's own ``network.addresses``) the generator writes an address book,
+  ``<out stem>.addresses.yaml`` next to the compose file, with ``peer-<id>:<port>`` addresses
+  (ports kept; 50051 for a graph-only topology), mounts it and points ``network.addresses`` at it.
 * **No ``depends_on``.** A ring (like most topologies) has cycles, which compose refuses, and peers
   need no start order: a node serves at once and waits for its neighbours within the per-round
   deadline (``network.round_timeout_s``), so start-up skew costs nothing.
@@ -23,8 +25,9 @@ Decisions (the user-facing version is in ``docker/README.md``):
   (``unless-stopped`` would restart finished peers forever); a peer that crashes at every start stops
   after N tries instead of looping; ``docker compose stop`` is never undone by the policy.
 * **Networks.** ``--network compose`` (default): the compose network, service names as addresses.
-  ``--network host``: every container on the host's network (``network_mode: host``), the topology's
-  own addresses as they are (e.g. ``127.0.0.1:5005x``, distinct ports), for machines where containers
+  ``--network host``: every container on the host's network (``network_mode: host``), the addresses
+  as the config places them (its address book, else the topology's own, e.g. ``127.0.0.1:5005x``,
+  distinct ports; a graph-only topology gets ``127.0.0.1:50050 + i``), for machines where containers
   may not route private address ranges, and for one-host benchmarks.
 * **Resources.** Every service has CPU and memory limits (``--cpus``, ``--memory``) and a healthcheck on the peer's gRPC
   health service that imports neither torch nor Flower (``python -m p2pfl.health``). The first service
@@ -103,9 +106,16 @@ USER = "${P2PFL_UID:-1000}:${P2PFL_GID:-1000}"
 # Paths inside the container; they are also docker/entrypoint.sh's defaults.
 IN_CONFIG = "/p2pfl/config.yaml"
 IN_TOPOLOGY = "/p2pfl/topology.yaml"
+IN_ADDRESSES = "/p2pfl/addresses.yaml"
+#: The gRPC port of a peer placed by compose or Kubernetes when the topology gives none (graph only).
+DEFAULT_GRPC_PORT = 50051
 IN_CERTS = "/p2pfl/certs"
 IN_DATA = "/p2pfl/data"
 IN_RUN = "/p2pfl/run"
+IN_APP = "/p2pfl/app"  # a ClientApp config's packages, on the container's PYTHONPATH
+#: The image variant with Flower, for configs that run a user's ClientApp (docker/Dockerfile's FLOWER=1).
+FLOWER_BUILD_ARGS = {"FLOWER": "1"}
+FLOWER_SUFFIX = "-flower"
 CA_CERT = "ca.crt"  # same names as p2pfl.security.certs writes (not imported: it pulls in cryptography)
 
 # A compose service name that resolves on the compose network: one lowercase DNS label.
@@ -122,14 +132,15 @@ class ComposeError(BadInput):
 class Deployment:
     """What `render_compose` produces; `compose_command` writes it.
 
-    ``topology_copy`` is where the rewritten topology (``topology``) must be written, or None when
-    the config's own topology file already uses service names and is mounted as is.
+    ``topology`` is the graph placed where the containers run; ``address_book`` is where its
+    addresses must be written (the containers read them there), or None when the topology file's
+    own addresses are used as they are. The topology file itself is always mounted unchanged.
     """
 
     text: str
     services: dict[str, str]  # peer id -> service name, in topology order
     topology: Topology
-    topology_copy: Path | None
+    address_book: Path | None
     certs_dir: Path
     data_dir: Path
     run_dir: Path
@@ -166,20 +177,18 @@ def service_name(peer_id: str) -> str:
 
 
 def compose_topology(topo: Topology) -> tuple[Topology, bool]:
-    """The topology the containers use, and whether it had to be rewritten to service-name addresses.
+    """The peers placed where the containers run, and whether the placement differs from ``topo``'s own.
 
     Kept as is when every host is a distinct service name; otherwise every address becomes
-    ``peer-<id>:<port>`` (one rule for all peers, so a half-converted file is never produced).
+    ``peer-<id>:<port>`` (one rule for all peers; the port kept, `DEFAULT_GRPC_PORT` for a
+    graph-only topology). Only addresses change: the graph, and so its hash, stay the same.
     """
-    from dataclasses import replace
-
-    from p2pfl.topology import Peer
-
-    hosts = [split_address(p.address)[0] for p in topo.peers]
-    if all(is_service_host(h) for h in hosts) and len(set(hosts)) == len(hosts):
-        return topo, False
+    if topo.has_addresses:
+        hosts = [split_address(p.address)[0] for p in topo.peers]  # type: ignore[arg-type]
+        if all(is_service_host(h) for h in hosts) and len(set(hosts)) == len(hosts):
+            return topo, False
     owner: dict[str, str] = {}
-    peers = []
+    addresses: dict[str, str] = {}
     for p in topo.peers:
         name = service_name(p.id)
         if name in owner:
@@ -188,8 +197,9 @@ def compose_topology(topo: Topology) -> tuple[Topology, bool]:
                 "or give every peer a distinct '<service>:<port>' address in the topology"
             )
         owner[name] = p.id
-        peers.append(Peer(id=p.id, address=f"{name}:{split_address(p.address)[1]}"))
-    return replace(topo, peers=tuple(peers)), True
+        port = DEFAULT_GRPC_PORT if p.address is None else split_address(p.address)[1]
+        addresses[p.id] = f"{name}:{port}"
+    return topo.with_addresses(addresses), True
 
 
 def _rel(path: Path, base: Path) -> str:
@@ -287,6 +297,35 @@ def _visible_gpus() -> list[str]:
     return [line.strip() for line in res.stdout.splitlines() if line.strip().isdigit()]
 
 
+def app_packages(cfg: ExperimentConfig) -> dict[str, Path]:
+    """Top-level package (or module) name -> its host path, for the ``app``/``app_init`` of a ClientApp config.
+
+    A container runs the image's p2pfl and Flower, but the user's app is the user's code: compose
+    mounts each top-level package the config names (found as this Python finds it) read-only under
+    ``IN_APP``, which is on the container's PYTHONPATH. Empty for a built-in algorithm's config.
+    """
+    import importlib.util
+
+    refs = [str(cfg.raw[k]) for k in ("app", "app_init") if cfg.raw.get(k)]
+    out: dict[str, Path] = {}
+    for ref in refs:
+        top = ref.partition(":")[0].split(".")[0]
+        if top in out or top == "p2pfl":  # p2pfl's own modules are in the image
+            continue
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not (spec.submodule_search_locations or spec.origin):
+            raise ComposeError(f"app: cannot find {top!r} from {Path.cwd()}: run p2pfl compose where the app's "
+                               "package is importable (as for p2pfl simulate)")
+        if spec.submodule_search_locations:
+            out[top] = Path(next(iter(spec.submodule_search_locations)))
+        else:
+            out[top] = Path(str(spec.origin))
+    return out
+
+
 def default_context() -> Path | None:
     """The checkout this package runs from, if it has the Dockerfile (an installed wheel has none)."""
     root = Path(__file__).resolve().parents[2]
@@ -321,7 +360,7 @@ def render_compose(
     Raises `ComposeError`, `p2pfl.config.ConfigError` or `p2pfl.topology.TopologyError`.
     """
     from p2pfl.config import load_config
-    from p2pfl.topology import load_topology
+    from p2pfl.topology.addressbook import placed_topology
 
     if network not in NETWORKS:
         raise ComposeError(f"--network {network!r}: expected one of {', '.join(NETWORKS)}")
@@ -334,14 +373,20 @@ def render_compose(
     sets = list(sets or [])
     cfg = load_config(config, sets)
     topo_file = Path(cfg.topology)
+    # Where the peers run: the config's address book, else the topology file's own addresses.
+    book = cfg.network.addresses
+    placed = placed_topology(topo_file, book)
     if network == "host":
-        topo, rewritten = load_topology(topo_file), False
+        topo, rewritten = placed, book is not None
+        if not topo.has_addresses:
+            topo, rewritten = topo.with_addresses({pid: f"127.0.0.1:{50050 + i}" for i, pid in enumerate(topo.ids)}), True
         ports = [split_address(p.address)[1] for p in topo.peers]
         if len(set(ports)) != len(ports):
             raise ComposeError("--network host: every peer shares the host's network, so the topology's peers "
                                "need distinct ports (e.g. 127.0.0.1:50050, 127.0.0.1:50051, ...)")
     else:
-        topo, rewritten = compose_topology(load_topology(topo_file))
+        topo, rewritten = compose_topology(placed)
+        rewritten = rewritten or book is not None  # the book's host path is not in the containers
     if cfg.network.insecure and not insecure:
         raise ComposeError(
             "the config sets network.insecure, but a compose deployment uses mutual TLS: drop it "
@@ -362,18 +407,21 @@ def render_compose(
     certs_dir = certs if certs is not None else base / "certs"
     data_dir = data if data is not None else base / "data"
     run_dir = runs if runs is not None else base / "runs" / cfg.name
-    topology_copy = base / f"{out.stem}.topology.yaml" if rewritten else None
-    host_topology = topology_copy if topology_copy is not None else topo_file
-    default_image = DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE
+    address_book = base / f"{out.stem}.addresses.yaml" if rewritten else None
+    host_topology = topo_file
+    apps = app_packages(cfg)
+    default_image = (DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE) + (FLOWER_SUFFIX if apps else "")
     image = image or default_image
     ctx = context if context is not None else default_context()
 
     # The containers see the config's own overrides, then the in-container topology path (last: it wins).
     args: list[str] = []
     for item in sets:
-        if _override_key(item) != "topology":
+        if _override_key(item) not in ("topology", "network.addresses"):
             args += ["--set", _esc(item)]
     args += ["--set", f"topology={IN_TOPOLOGY}"]
+    if address_book is not None:
+        args += ["--set", f"network.addresses={IN_ADDRESSES}"]
 
     common_volumes = [
         f"{_esc(_rel(config, base))}:{IN_CONFIG}:ro",
@@ -381,13 +429,19 @@ def render_compose(
         f"{_esc(_rel(data_dir, base))}:{IN_DATA}:ro",
         f"{_esc(_rel(run_dir, base))}:{IN_RUN}",
     ]
+    if address_book is not None:
+        common_volumes.insert(2, f"{_esc(_rel(address_book, base))}:{IN_ADDRESSES}:ro")
+    for top, path in apps.items():
+        name = top if path.is_dir() else f"{top}.py"
+        common_volumes.append(f"{_esc(_rel(path, base))}:{IN_APP}/{name}:ro")
     build: dict[str, Any] | None = None
     if ctx is not None:
         build = {"context": _esc(_rel(ctx, base)), "dockerfile": DOCKERFILE}
         if network == "host":
             build["network"] = "host"
-        if gpus:
-            build["args"] = dict(CUDA_BUILD_ARGS)
+        args_: dict[str, str] = {**(CUDA_BUILD_ARGS if gpus else {}), **(FLOWER_BUILD_ARGS if apps else {})}
+        if args_:
+            build["args"] = args_
     services: dict[str, dict[str, Any]] = {}
     names: dict[str, str] = {}
     metrics: dict[str, str] = {}
@@ -403,6 +457,8 @@ def render_compose(
             "P2PFL_PORT": str(port),
             "P2PFL_RUN_DIR": IN_RUN,
         }
+        if apps:
+            env["PYTHONPATH"] = IN_APP
         volumes = list(common_volumes)
         if insecure:
             env["P2PFL_INSECURE"] = "1"
@@ -483,6 +539,8 @@ def render_compose(
         "topology": _esc(_rel(host_topology, base)),
         "topology_hash": topo.hash(),
     }
+    if address_book is not None:
+        ext["addresses"] = _esc(_rel(address_book, base))
     if metrics:
         ext["metrics"] = {pid: metrics[pid] for pid in sorted(metrics)}
     doc: dict[str, Any] = {
@@ -498,7 +556,7 @@ def render_compose(
         "# build the image and make the certificates (docker/README.md).\n"
     )
     text = header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=120)
-    return Deployment(text=text, services=names, topology=topo, topology_copy=topology_copy,
+    return Deployment(text=text, services=names, topology=topo, address_book=address_book,
                       certs_dir=certs_dir, data_dir=data_dir, run_dir=run_dir, config=cfg)
 
 
@@ -550,9 +608,11 @@ def compose_command(
                          restarts=restarts, metrics_port=None if no_metrics else metrics_port, context=context)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    if dep.topology_copy is not None:
-        dep.topology.dump(dep.topology_copy)
-        typer.echo(f"wrote {dep.topology_copy}: the topology with service-name addresses (the containers use it)")
+    if dep.address_book is not None:
+        from p2pfl.topology.addressbook import AddressBook
+
+        AddressBook.from_topology(dep.topology).dump(dep.address_book, dep.topology)
+        typer.echo(f"wrote {dep.address_book}: where the peers run (the containers' network.addresses)")
     out.write_text(dep.text, encoding="utf-8")
     # Made here, by the user, so the docker daemon does not create them owned by root.
     dep.run_dir.mkdir(parents=True, exist_ok=True)
