@@ -6,8 +6,9 @@ compared with the same run without faults.
     python bench/soak.py --mode pull --topology ring --rounds 60 --faults 6
 
 Ends with one JSON line: rounds completed per peer, peer-rounds that mixed without a neighbour two
-or more rounds after it rejoined, the push-sum mass error (max over rounds of |sum_i mu_i - n|),
-the NaN/Inf count, seconds per round with and without faults, and the faults injected.
+or more rounds after it rejoined, the push-sum mass error (max over rounds of |sum_i mu_i - n|,
+the rounds where it exceeds 1e-9, and at the end), the smallest mu, the steps a peer withheld its
+share (weight floor) and the ledger settlements, the NaN/Inf count, seconds per round with and without faults, and the faults injected.
 """
 
 from __future__ import annotations
@@ -186,6 +187,12 @@ def mass_error(recs: dict[str, list[dict[str, Any]]], n: int) -> float | None:
     return max(errs.values()) if errs else None
 
 
+def final_mass_error(recs: dict[str, list[dict[str, Any]]], n: int) -> float | None:
+    """|sum_i mu_i - n| over each peer's last recorded mu (the run's end: every edge settled)."""
+    last = [float(r["mu"]) for rs in recs.values() for r in rs[-1:] if "mu" in r]
+    return abs(sum(last) - n) if len(last) == n else None
+
+
 def mixed_without_after_rejoin(recs: dict[str, list[dict[str, Any]]], faults: list[Fault]) -> int:
     """Peer-rounds that mixed without a peer two or more rounds after it rejoined (until its next fault).
 
@@ -229,7 +236,11 @@ def summarize(runs: Run, clean: Run, faults: list[Fault], n: int, rounds: int) -
         "mixed_without_after_rejoin": mixed_without_after_rejoin(runs.recs, faults),
         "push_sum_mass_error": mass_error(runs.recs, n),
         "push_sum_mass_error_rounds": sorted(k for k, e in mass_errors(runs.recs, n).items() if e > 1e-9),
+        "push_sum_mass_error_final": final_mass_error(runs.recs, n),
         "push_sum_mass_error_clean": mass_error(clean.recs, n),
+        "mu_min": min((float(r["mu"]) for rs in runs.recs.values() for r in rs if "mu" in r), default=None),
+        "withheld_steps": sum(1 for rs in runs.recs.values() for r in rs if r.get("withheld")),
+        "ledger_settlements": sum(1 for rs in runs.recs.values() for r in rs if r.get("mu_settled")),
         "nan_count": nan,
         "s_per_round": round(spr(runs), 3),
         "s_per_round_clean": None if math.isnan(clean.wall_s) else round(spr(clean), 3),

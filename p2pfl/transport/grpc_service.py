@@ -881,15 +881,9 @@ class PeerServer:
             if not (math.isfinite(claim) and claim >= 0):
                 self._reject(context, what, caller, grpc.StatusCode.INVALID_ARGUMENT,
                              f"metadata {GIVEN_MD} must be a finite number >= 0, got {excerpt(md[GIVEN_MD])}")
-        if md.get(KEEP_MD) == "1":  # the sender keeps its whole share this step: nothing to mix, no wait
-            with self._cond:
-                self._requested[caller] = max(self._requested.get(caller, -1), r)
-                if key not in self._decided:
-                    self._decided[key] = False
-                    self._withheld.add(key)
-                    self._cond.notify_all()
-            self._reject(context, what, caller, grpc.StatusCode.ABORTED,
-                         f"round {r} step {s}: the sender withholds its share (it keeps its mass)")
+        if md.get(KEEP_MD) == "1":  # the sender keeps its whole share this step: nothing to mix
+            kept = self._withhold(key, context)
+            self._reject(context, what, caller, *kept)
         with self._cond:
             self._requested[caller] = max(self._requested.get(caller, -1), r)
             why = None if key in self._decided else self._window_error(r)
@@ -926,6 +920,35 @@ class PeerServer:
             total = self._absorbed_at.get(key, self._absorbed.get(caller, 0.0))
         context.set_trailing_metadata(((ABSORBED_MD, repr(float(total))),))
         return peer_pb2.PushReply(bytes_received=dec.wire_bytes if mixed else 0)
+
+    def _withhold(self, key: tuple[str, int, int], context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str]:
+        """A push that withholds its share: close ``key`` once this peer reaches its round.
+
+        It is answered like a push that was not mixed (ABORTED), but only when this peer is in that
+        round, so a withholding sender is paced by its receivers exactly like one whose push is
+        mixed (answering at once let it run arbitrarily far ahead). Returns the status to answer.
+        """
+        _, r, s = key
+        remaining = context.time_remaining()
+        limit = time.monotonic() + (self.max_wait_s if remaining is None else min(remaining, self.max_wait_s))
+        context.add_callback(self._wake)
+        with self._cond:
+            self._requested[key[0]] = max(self._requested.get(key[0], -1), r)
+            why = None if key in self._decided else self._window_error(r)
+            if why:
+                return why
+            while key not in self._decided and self._round < r:
+                left = limit - time.monotonic()
+                if self._stopping:
+                    return grpc.StatusCode.UNAVAILABLE, f"peer {self.peer_id!r} is shutting down"
+                if not context.is_active() or left <= 0:
+                    return grpc.StatusCode.DEADLINE_EXCEEDED, f"round {r} not reached before the call's deadline"
+                self._cond.wait(min(left, 1.0))
+            if key not in self._decided:
+                self._decided[key] = False
+                self._withheld.add(key)
+                self._cond.notify_all()
+        return grpc.StatusCode.ABORTED, f"round {r} step {s}: the sender withholds its share (it keeps its mass)"
 
     def _offer(self, key: tuple[str, int, int], msg: Message, nbytes: int,
                context: grpc.ServicerContext, claim: float | None = None) -> bool | _Rejected:
