@@ -23,6 +23,7 @@ ALGORITHMS: dict[str, str] = {
     "deprl": "p2pfl.algorithms.deprl:DePRL",
     "dfedpgp": "p2pfl.algorithms.dfedpgp:DFedPGP",
     "dispfl": "p2pfl.algorithms.dispfl:DisPFL",
+    "ditto": "p2pfl.flower.ditto:Ditto",  # a parameter-server local rule (p2pfl flower --baseline ditto)
 }
 
 

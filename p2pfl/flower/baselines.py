@@ -1,4 +1,4 @@
-"""Centralized baselines on Flower's own runtime: FedAvg, FedPer and FedRep.
+"""Centralized baselines on Flower's own runtime: FedAvg, FedPer, FedRep and Ditto.
 
 Why: a decentralized run is only judged fairly against a server run on the very same data
 partition, models, initial weights and local update rule, so that a difference in accuracy is
@@ -12,6 +12,8 @@ baseline    what the server averages                  local rule (the config's a
 fedavg      the whole model                           one joint pass (local, dfedavg, ...)
 fedper      the shared body; heads stay on the nodes  one joint pass (local, dfedavg, ...)
 fedrep      the shared body; heads stay on the nodes  head phase then body phase (deprl, ...)
+ditto       the whole (global) model; each node also  global update, then the personal model's
+            keeps a personal model, the one evaluated proximal update (``p2pfl.flower.ditto``)
 ==========  ========================================  ==========================================
 
 Runtime: ``flwr.simulation.run_simulation`` with the Ray backend (``flwr[simulation]``). Where
@@ -82,12 +84,16 @@ class Baseline:
     name: str
     scope: str  # "all": the server averages the whole model; "shared": the body only
     rules: tuple[str, ...]  # algorithms whose local rule this baseline uses
+    #: the ``PeerState.extra`` tensor (a whole model, flat) each node is evaluated with; None: the
+    #: received model (with the node's own head for scope "shared")
+    evaluate_extra: str | None = None
 
 
 BASELINES: dict[str, Baseline] = {
     "fedavg": Baseline("fedavg", "all", (*JOINT, APP)),
     "fedper": Baseline("fedper", "shared", (*JOINT, APP)),
     "fedrep": Baseline("fedrep", "shared", ALTERNATING),
+    "ditto": Baseline("ditto", "all", ("ditto",), evaluate_extra="ditto_personal"),
 }
 
 
@@ -272,11 +278,18 @@ class BaselinePeers:
         }), reply_to=msg)
 
     def evaluate(self, msg: Message, context: Context) -> Message:
-        """The global model (FedAvg) or global body + own head (FedPer/FedRep) on the node's own test split."""
+        """The global model (FedAvg), global body + own head (FedPer/FedRep) or the node's personal model
+        (Ditto) on the node's own test split."""
         torch.set_num_threads(1)
         peer = self.peer_of(context)
         flat = self._received(msg)
-        if self._cache["scope"] == "shared":
+        extra = BASELINES[self.baseline].evaluate_extra
+        if extra is not None:
+            rec = context.state.array_records.get(STATE_EXTRA)
+            if rec is None or extra not in rec:
+                raise FlowerPeerError(f"peer {peer.peer_id}: no {extra} to evaluate (evaluate before any train)")
+            flat = tensor_of(rec[extra]).reshape(-1).to(flat.device)
+        elif self._cache["scope"] == "shared":
             flat[self.exp.layout.num_shared:].copy_(self.personal_head(context).to(flat.device))
         r = int(number(record_of(msg.content, CONFIG_KEY, ConfigRecord), "server-round")) - 1
         with self._cache["models"].borrow((r, 1, peer.index)) as model:

@@ -1,4 +1,4 @@
-"""``p2pfl flower``: a centralized baseline (FedAvg, FedPer, FedRep) of a config, on Flower's runtime."""
+"""``p2pfl flower``: a centralized baseline (FedAvg, FedPer, FedRep, Ditto) of a config, on Flower's runtime."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ def flower_command(config: ConfigOpt, rounds: Annotated[int | None, typer.Option
                    out: Annotated[Path | None, typer.Option(help="run folder")] = None, set: SetOpt = None,
                    baseline: Annotated[str, typer.Option(
                        help="fedavg (whole model averaged) | fedper (body averaged, joint local rule) | "
-                            "fedrep (body averaged, head-then-body local rule)")] = "fedper",
+                            "fedrep (body averaged, head-then-body local rule) | "
+                            "ditto (global model averaged; each node's personal model evaluated)")] = "fedper",
                    runtime: Annotated[str, typer.Option(
                        help="auto (Ray when installed) | ray (flwr.simulation.run_simulation) | in-process")] = "auto",
                    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no summary table")] = False,
