@@ -84,10 +84,13 @@ METHODS = (
     # parameter-server baselines on Flower's runtime (table1/ps-*.yaml), DePRL Table 7's columns
     MethodDef("fedavg", "FedAvg", "fedavg", "parameter server (Flower), D-PSGD's local rule"),
     MethodDef("fedrep", "FedRep", "fedrep", "parameter server (Flower), DePRL's local rule (epochs reading)"),
+    MethodDef("ditto", "Ditto", "ditto", "parameter server (Flower), FedAvg's local rule + personal model, λ 0.1"),
 )
-PS_CASES = ("fedavg", "fedrep")
+PS_CASES = ("fedavg", "fedrep", "ditto")
+PERSONALIZED_DITTO = ("personalized: mean over clients of each client's own Ditto model v_k on its own test split "
+                      "(drawn with its training label mix), last round")
 #: the metric each method's number is (the papers' own: personalized, except FedAvg's single global model)
-METRIC_OF = {"fedavg": GLOBAL_ON_OWN, "fedrep": PERSONALIZED_PS}
+METRIC_OF = {"fedavg": GLOBAL_ON_OWN, "fedrep": PERSONALIZED_PS, "ditto": PERSONALIZED_DITTO}
 MAIN = ("dpsgd", "dispfl", "deprl-epochs")  # the 27 cells of Table 1, paper order
 
 #: DePRL Table 1, Fashion-MNIST (AlexNet) rows, 128 workers, mean ± spread over 4 seeds (spec 004 §4).
@@ -132,7 +135,7 @@ def folder(file: str) -> str:
 SWEEPS = tuple(SweepDef((f"{g}-pi{pi}",), "deprl-t1", g, pi) for g, _ in GRAPHS for pi in PIS) + (
     SweepDef(("smoke-ring-pi0.1", "smoke-ring-pi0.1-seeds12"), "deprl-t1-smoke", "ring", 0.1),
 ) + tuple(SweepDef((f"ps-ring-pi{pi}",), "deprl-t7", "ring", pi) for pi in PIS) + (
-    SweepDef(("ps-smoke-ring-pi0.1",), "deprl-t7-smoke", "ring", 0.1),
+    SweepDef(("ps-smoke-ring-pi0.1", "ps-smoke-ring-pi0.1-ditto"), "deprl-t7-smoke", "ring", 0.1),
 )
 
 #: The other papers' claims: planned at 3 seeds with the papers' metrics; not run yet at that protocol.
@@ -145,9 +148,9 @@ CLAIMS = (
      "paper": "87.67 / 86.50 / 82.60 / 63.20 (CIFAR-10 Dir 0.3, ResNet-18; spec 000 §5 Table 2)"},
     {"table": "dfedpgp-t6", "method": "DFedPGP > DFedAvgM", "metric": PERSONALIZED,
      "paper": "49.16 vs 41.94 (Tiny-ImageNet Path-10; spec 001 §4 Table 6)"},
-    {"table": "deprl-t7", "method": "Ditto, FedRoD (parameter server) under Ring", "metric": PERSONALIZED,
-     "paper": "DePRL Table 7 (spec 004 §4): Fashion-MNIST Ditto 95.23 / 90.82 / 89.12, FedRoD 95.93 / 92.29 / "
-              "90.92 (π 0.1 / 0.3 / 0.5); not implemented here (FedAvg and FedRep are: table deprl-t7)"},
+    {"table": "deprl-t7", "method": "FedRoD (parameter server) under Ring", "metric": PERSONALIZED,
+     "paper": "DePRL Table 7 (spec 004 §4): Fashion-MNIST FedRoD 95.93 / 92.29 / 90.92 (π 0.1 / 0.3 / 0.5); "
+              "not implemented here (FedAvg, FedRep and Ditto are: table deprl-t7)"},
 )
 
 
@@ -422,15 +425,18 @@ def plot(cells: list[dict[str, Any]], title: str, out: Path) -> Path | None:
 def table7_section(cells: list[dict[str, Any]]) -> list[str]:
     """DePRL Table 7 (Ring): the PS baselines run on Flower beside the decentralized Ring cells, ours / paper."""
     doc = ["## DePRL Table 7 (Ring, Fashion-MNIST): parameter-server baselines on Flower, same partition", "",
-           "FedAvg and FedRep run through Flower (`p2pfl flower`: Flower's `FedAvg` strategy, "
+           "FedAvg, FedRep and Ditto run through Flower (`p2pfl flower`: Flower's `FedAvg` strategy, "
            "`flwr.simulation.run_simulation` with the Ray backend; each run's `summary.json` records the runtime "
            "that ran) on the same 128 clients, partition, batch, model and initial weights as the Ring cells; "
            "every client takes part in every round. \"Ring\" means only the same partition: a server has no graph. "
            "Local rules (the spec gives the baselines none): FedAvg = D-PSGD's (1 epoch, lr 0.1 ×0.998, wd 5e-4), "
            "FedRep = DePRL's epochs reading (2 head epochs, then 1 body epoch, lr 0.005 / 0.01 ×0.96, wd 1e-5), so "
-           "each pair differs only in server vs gossip. Metrics: **FedAvg = the global model on each client's own "
-           "test split**; **FedRep = each client's own model (own head + global body) on its own split**; the "
-           "decentralized columns as in Table 1. Ditto and FedRoD are not implemented (paper values shown).", ""]
+           "each pair differs only in server vs gossip; Ditto (`p2pfl/flower/ditto.py`) = FedAvg's rule for the "
+           "global model plus 1 epoch on each client's personal model with the proximal term (λ/2)‖v − w‖², "
+           "λ = 0.1 (the spec gives none: our choice). Metrics: **FedAvg = the global model on each client's own "
+           "test split**; **FedRep = each client's own model (own head + global body) on its own split**; "
+           "**Ditto = each client's personal model v_k on its own split**; the decentralized columns as in "
+           "Table 1. FedRoD is not implemented (paper value shown).", ""]
     ps = {(c["case"], c["pi"]): c for c in cells if c["table"] == "deprl-t7"}
     ring = {(c["case"], c["pi"]): c for c in cells if c["table"] == "deprl-t1" and c["graph"] == "ring"}
     rows = []
