@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 from p2pfl.deploy.compose import ComposeError
 from p2pfl.deploy.k8s import GRPC_PORT, SERVICE, k8s_command, render_k8s
 from p2pfl.security.certs import make_certs
-from p2pfl.topology import parse_topology
+from p2pfl.topology import load_topology, parse_topology
+from p2pfl.topology.addressbook import parse_address_book
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_CONFIG = REPO / "peers" / "compose-ring4.yaml"
@@ -100,8 +101,13 @@ def test_manifests_validate_and_give_each_peer_its_pod_key_and_address(tmp_path:
     sts = {d["metadata"]["name"]: d for d in man.documents if d["kind"] == "StatefulSet"}
     assert sorted(sts) == ["peer-p0", "peer-p1", "peer-p2", "peer-p3"]
     assert all(d["metadata"]["namespace"] == "fl" for d in man.documents + man.secrets)
-    # the topology the pods read: each peer at its own pod's stable DNS name behind the headless service
-    topo = parse_topology(yaml.safe_load(objs[("ConfigMap", "p2pfl-config")]["data"]["topology.yaml"]))
+    # the pods read the topology file unchanged (same graph hash everywhere) and an address book
+    # placing each peer at its own pod's stable DNS name behind the headless service
+    data = objs[("ConfigMap", "p2pfl-config")]["data"]
+    assert data["topology.yaml"] == (REPO / "topology" / "compose-ring-4.yaml").read_text()
+    topo = parse_address_book(yaml.safe_load(data["addresses.yaml"])).place(parse_topology(yaml.safe_load(
+        data["topology.yaml"])))
+    assert topo.hash() == load_topology(REPO / "topology" / "compose-ring-4.yaml").hash()
     for peer in topo.peers:
         assert peer.address == f"peer-{peer.id}-0.{SERVICE}:{GRPC_PORT}"
         s = sts[f"peer-{peer.id}"]
@@ -110,7 +116,11 @@ def test_manifests_validate_and_give_each_peer_its_pod_key_and_address(tmp_path:
         assert env["P2PFL_PEER"] == peer.id and env["P2PFL_PORT"] == str(GRPC_PORT)
         assert env["P2PFL_METRICS_HOST"] == "0.0.0.0"
         args = s["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert args == ["--set", "rounds=5", "--set", "topology=/p2pfl/topology.yaml"]
+        assert args == ["--set", "rounds=5", "--set", "topology=/p2pfl/topology.yaml",
+                        "--set", "network.addresses=/p2pfl/addresses.yaml"]
+        mounts = {m["mountPath"]: m["subPath"] for m in s["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+                  if m["name"] == "config"}
+        assert mounts["/p2pfl/addresses.yaml"] == "addresses.yaml"
         # only its own key: the Secret it mounts holds exactly ca.crt and its certificate and key
         (secret_vol,) = [v for v in s["spec"]["template"]["spec"]["volumes"] if "secret" in v]
         secret = objs[("Secret", secret_vol["secret"]["secretName"])]

@@ -8,8 +8,10 @@ Why this shape (the user-facing version is ``docs/deploy.md``):
   survives restarts (the run folder: metrics and checkpoints, so a rescheduled pod resumes), and
   ordered, at-most-one-pod semantics (two copies of a peer never run at once). One StatefulSet for all
   peers would force every pod to mount every peer's key.
-* **Addresses** are rewritten to ``peer-<id>-0.<service>:<port>`` in the topology the ConfigMap
-  carries; the certificates need no DNS names because peers verify each other by peer id
+* **Addresses** come from an address book the ConfigMap carries (``addresses.yaml``: each peer at
+  ``peer-<id>-0.<service>:<port>``, what ``network.addresses`` points at); the topology file goes
+  into the ConfigMap byte for byte, so its hash (the graph's) is the same as in simulate, launch and
+  compose. The certificates need no DNS names because peers verify each other by peer id
   (``grpc.ssl_target_name_override``), exactly as on loopback and in compose.
 * **Certificates as Secrets**, one per peer (``p2pfl-certs-<id>``: ``ca.crt``, ``<id>.crt``,
   ``<id>.key``), written to a separate ``secrets.yaml`` (mode 0600, never to be committed) from a
@@ -39,6 +41,7 @@ from p2pfl.deploy.compose import (
     CA_CERT,
     DEFAULT_GPU_IMAGE,
     DEFAULT_IMAGE,
+    IN_ADDRESSES,
     IN_CERTS,
     IN_CONFIG,
     IN_RUN,
@@ -103,7 +106,8 @@ def render_k8s(
 ) -> Manifests:
     """Build the manifests for ``config`` without writing anything (`K8sError`, ConfigError, TopologyError)."""
     from p2pfl.config import load_config
-    from p2pfl.topology import Peer, load_topology
+    from p2pfl.topology import load_topology
+    from p2pfl.topology.addressbook import AddressBook
 
     sets = list(sets or [])
     cfg = load_config(config, sets)
@@ -117,27 +121,27 @@ def render_k8s(
     if namespace is not None and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", namespace):
         raise K8sError(f"--namespace {namespace!r}: not a DNS label")
     topo = load_topology(cfg.topology)
-    from dataclasses import replace
-
-    peers = tuple(Peer(id=p.id, address=pod_address(p.id)) for p in topo.peers)
     names = {p.id: service_name(p.id) for p in topo.peers}
     if len(set(names.values())) != len(names):
         raise K8sError("two peer ids map to the same StatefulSet name; rename one of them")
-    pod_topo = replace(topo, peers=peers)
+    # Where the pods run: the headless service's DNS names (whatever the config's own book says).
+    book = AddressBook(tuple((pid, pod_address(pid)) for pid in topo.ids))
     image = image or (DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE)
     meta_ns = {"namespace": namespace} if namespace else {}
     common = {APP_LABEL: "p2pfl", "app.kubernetes.io/part-of": cfg.name[:63]}
 
     args: list[str] = []
     for item in sets:
-        if _override_key(item) != "topology":
+        if _override_key(item) not in ("topology", "network.addresses"):
             args += ["--set", item]
-    args += ["--set", f"topology={IN_TOPOLOGY}"]
+    args += ["--set", f"topology={IN_TOPOLOGY}", "--set", f"network.addresses={IN_ADDRESSES}"]
 
     docs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "ConfigMap",
          "metadata": {"name": CONFIGMAP, "labels": dict(common), **meta_ns},
-         "data": {"config.yaml": Path(config).read_text(encoding="utf-8"), "topology.yaml": pod_topo.to_yaml()}},
+         "data": {"config.yaml": Path(config).read_text(encoding="utf-8"),
+                  "topology.yaml": Path(cfg.topology).read_text(encoding="utf-8"),
+                  "addresses.yaml": book.to_yaml(topo)}},
         {"apiVersion": "v1", "kind": "Service",
          "metadata": {"name": SERVICE, "labels": dict(common), **meta_ns},
          "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {APP_LABEL: "p2pfl"},
@@ -159,6 +163,7 @@ def render_k8s(
             limits["nvidia.com/gpu"] = gpus
         mounts = [{"name": "config", "mountPath": IN_CONFIG, "subPath": "config.yaml", "readOnly": True},
                   {"name": "config", "mountPath": IN_TOPOLOGY, "subPath": "topology.yaml", "readOnly": True},
+                  {"name": "config", "mountPath": IN_ADDRESSES, "subPath": "addresses.yaml", "readOnly": True},
                   {"name": "run", "mountPath": IN_RUN}]
         volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": CONFIGMAP}}]
         if not insecure:

@@ -66,8 +66,12 @@ def gen(
     ] = None,
     name: Annotated[str | None, typer.Option(help="topology name (default: KIND-N)")] = None,
     out: Annotated[Path | None, typer.Option(help="output file (default: stdout)")] = None,
+    addresses_out: Annotated[Path | None, typer.Option(
+        "--addresses-out", help="write the addresses (--host/--base-port/--address-template) to this address "
+        "book and the topology as the graph only")] = None,
 ) -> None:
-    """Generate a standard topology and write it as YAML."""
+    """Generate a standard topology and write it as YAML (with inline addresses, or the graph only
+    plus an address book beside it with --addresses-out)."""
     from .generators import generate
     from .spec import TopologyError
 
@@ -85,6 +89,16 @@ def gen(
         )
     except TopologyError as e:
         raise _fail(str(e)) from None
+    if addresses_out is not None:
+        from .addressbook import AddressBook
+
+        graph = topo.graph_only()
+        try:
+            AddressBook.from_topology(topo).dump(addresses_out, graph)
+        except OSError as e:
+            raise _fail(f"cannot write {addresses_out}: {e.strerror or e}", code=1) from None
+        typer.echo(f"wrote {addresses_out} (address book of {topo.n} peers)", err=True)
+        topo = graph
     if out is None:
         typer.echo(topo.to_yaml(), nl=False)
     else:
@@ -111,7 +125,7 @@ def check(
         is_symmetric,
         spectral_gap,
     )
-    from .spec import ExplicitWeights, TopologyError
+    from .spec import ExplicitWeights, Peer, TopologyError
 
     topo = _load(file)
     try:
@@ -124,12 +138,15 @@ def check(
 
     typer.echo(f"topology: {topo.name}  (hash {topo.hash()}, {file})")
     typer.echo(f"directed: {yes(topo.directed)}")
+    def at(p: Peer) -> str:
+        return p.id if p.address is None else f"{p.id}@{p.address}"
+
     if topo.n <= _LIST_PEERS:
-        typer.echo(f"peers: {topo.n}: " + ", ".join(f"{p.id}@{p.address}" for p in topo.peers))
+        typer.echo(f"peers: {topo.n}: " + ", ".join(at(p) for p in topo.peers))
     else:
-        typer.echo(
-            f"peers: {topo.n}: {topo.peers[0].id}@{topo.peers[0].address} ... {topo.peers[-1].id}@{topo.peers[-1].address}"
-        )
+        typer.echo(f"peers: {topo.n}: {at(topo.peers[0])} ... {at(topo.peers[-1])}")
+    if not topo.has_addresses:
+        typer.echo("addresses: none (graph only: an address book places the peers)")
     arrow = " -> " if topo.directed else " -- "
     if not topo.edges:
         typer.echo("edges: 0" + (" (candidates: all peers)" if topo.schedule is not None else ""))
