@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from p2pfl.algorithms import local_sgd
 from p2pfl.algorithms.alternating import Phase, alternating_update
 from p2pfl.algorithms.base import HyperparameterError, PeerState, TrainContext
 from p2pfl.algorithms.deprl import PRESETS as DEPRL_PRESETS
@@ -137,7 +137,8 @@ def _perturb_bodies(exp: Experiment, nodes: list[Node], scale: float = 0.5) -> N
 
 
 @pytest.mark.parametrize("tau", [1, 2, 3])
-def test_deprl_takes_tau_head_steps_then_exactly_one_representation_step(tmp_path: Path, tau: int) -> None:
+def test_deprl_takes_tau_head_steps_then_exactly_one_representation_step(tmp_path: Path, tau: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     exp = _experiment(tmp_path, {"name": "deprl", "lr_head": 0.3, "lr_body": 0.7, "tau": tau})
     node = exp.make_node("p1", transport=MemoryTransport(MemoryHub(), "p1"), models=ModelPool(exp.model_factory, 1),
                          record=lambda rec: None, run_dir=None)
@@ -146,21 +147,20 @@ def test_deprl_takes_tau_head_steps_then_exactly_one_representation_step(tmp_pat
     gen = torch.Generator()
     gen.set_state(node.generator.get_state())
 
-    # count optimizer steps and which block each one moved
+    # count SGD steps (the shared update rule) and which block each one moved
     model = exp.build_model()
     steps: list[str] = []
+    rule = local_sgd.sgd_step_
 
-    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        ps = [p for g in opt.param_groups for p in g["params"]]
+    def counting_rule(ps: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
         names = {n for n, q in model.named_parameters() if any(q is p for p in ps)}
         steps.append("head" if names == set(layout.personal_names) else
                      "body" if names == set(layout.shared_names) else f"other:{sorted(names)}")
+        rule(ps, *args, **kwargs)
 
-    handle = register_optimizer_step_post_hook(hook)
-    try:
-        node.algorithm.local_update(node.state, _ctx(exp, node, model), 5)
-    finally:
-        handle.remove()
+    monkeypatch.setattr(local_sgd, "sgd_step_", counting_rule)
+    node.algorithm.local_update(node.state, _ctx(exp, node, model), 5)
+    monkeypatch.undo()
     assert steps == ["head"] * tau + ["body"]
 
     # the same round by hand: tau head SGD steps (body frozen), one body step at the new head

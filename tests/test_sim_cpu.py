@@ -155,3 +155,34 @@ def test_simulate_command_imports_neither_flower_nor_grpc() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
     assert "HEAVY []" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_exact_local_training_does_not_import_torch_dynamo() -> None:
+    """The first ``torch.optim.Optimizer`` a process builds imports torch._dynamo (~160 MB RSS and
+    seconds of CPU per simulation worker): the exact engine's SGD goes through the rule directly."""
+    code = (
+        "import sys, torch\n"
+        "from p2pfl.algorithms.local_sgd import Phase\n"
+        "from p2pfl.algorithms.base import TrainContext\n"
+        "from p2pfl.data.datasets import ArrayDataset\n"
+        "from p2pfl.data.loader import PeerData\n"
+        "from p2pfl.models.layout import ParamLayout\n"
+        "import numpy as np\n"
+        "model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4))\n"
+        "layout = ParamLayout.from_model(model, ['1.weight', '1.bias'], [])\n"
+        "flat = layout.flatten(model).clone()\n"
+        "layout.bind(model, flat)\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "ds = ArrayDataset('toy', torch.randn(64, 1, 4, 4), torch.randint(0, 4, (64,)), torch.randn(8, 1, 4, 4),"
+        " torch.randint(0, 4, (8,)), 4)\n"
+        "data = PeerData(ds, np.arange(64), np.arange(8), 16, 'cpu')\n"
+        "ctx = TrainContext(model, layout, data, g, torch.device('cpu'))\n"
+        "before = flat.clone()\n"
+        "ctx.train('all', Phase(lr=0.1, amount=2, unit='steps', momentum=0.9, weight_decay=1e-4))\n"
+        "assert not torch.equal(before, flat)\n"
+        "print('DYNAMO', 'torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "DYNAMO False" in out.stdout, out.stdout[-2000:]
