@@ -17,10 +17,12 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
+from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
@@ -207,6 +209,9 @@ class PeerServer:
         self._absorbed_at: dict[tuple[str, int, int], float] = {}
         self._settled: dict[str, float] = {}
         self._withheld: set[tuple[str, int, int]] = set()  # keys whose sender kept its whole share
+        # Write-ahead log of the totals absorbed (``<checkpoint>.absorbed``): appended and fsync'd before
+        # a push is answered OK, so a restart knows what it mixed after its checkpoint (rule 6).
+        self.absorb_log: Path | None = None
         self._round = 0
         self._served = 0
         self._pulls_served = 0
@@ -481,6 +486,22 @@ class PeerServer:
         with self._cond:
             self._absorbed = {str(k): float(v) for k, v in totals.items()}
 
+    def raise_absorbed(self, sender: str, total: float) -> float:
+        """Raise the running total absorbed from ``sender`` to ``total`` (a total this peer durably had
+        before a restart); return the difference, which the node adds to its mu (0 if not below)."""
+        with self._cond:
+            have = self._absorbed.get(sender, 0.0)
+            if total <= have:
+                return 0.0
+            self._absorbed[sender] = total
+            return total - have
+
+    def note_settled(self, sender: str, amount: float) -> None:
+        """Add ``amount`` to the weight settled with ``sender`` (handed to the node by `pop_settled`)."""
+        if amount:
+            with self._cond:
+                self._settled[sender] = self._settled.get(sender, 0.0) + amount
+
     def pop_settled(self) -> dict[str, float]:
         """Weight absorbed by settlement since the last call, per sender (the node adds it to its mu)."""
         with self._cond:
@@ -513,6 +534,11 @@ class PeerServer:
         total = total + share
         self._absorbed[j] = total
         self._absorbed_at[key] = total
+        if self.absorb_log is not None:  # durable before the OK leaves (the sender then gives the share up)
+            with open(self.absorb_log, "a") as f:
+                f.write(f"{j} {r} {s} {total!r}\n")
+                f.flush()
+                os.fsync(f.fileno())
 
     def requested_rounds(self) -> dict[str, int]:
         """Per neighbour, the highest round it pulled or pushed since the last call; resets them.

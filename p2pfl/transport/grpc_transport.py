@@ -161,6 +161,12 @@ class GrpcTransport(Transport):
         self._resumed_round = server.round if restarted else -1
         self._pushes_log = pushes_log
         self._mixed_pushes = _load_pushes_log(pushes_log, server.round) if pushes_log is not None else set()
+        # The totals absorbed that the write-ahead log holds for rounds >= the checkpoint's: what this
+        # peer mixed after its checkpoint and lost with its state (settled after its first exchange).
+        self._logged_totals: dict[str, float] = {}
+        if pushes_log is not None and server.mode == "push":
+            server.absorb_log = pushes_log.with_suffix(".absorbed")
+            self._logged_totals = _load_absorb_log(server.absorb_log, server.round)
 
     # ---- channels ------------------------------------------------------------------------------
 
@@ -412,6 +418,14 @@ class GrpcTransport(Transport):
                 fates[k] = (False, None)
             if not fates[k][0]:
                 undelivered.append(k)
+        if self._logged_totals:  # the resumed round: what recovery (rule 4) did not bring back
+            for j, total in self._logged_totals.items():
+                got_back = self.server.raise_absorbed(j, total)
+                if got_back:
+                    log.warning("%s %s: %.6g of push-sum weight from %s, mixed before the restart, restored "
+                                "from the write-ahead log", self.peer_id, tag, got_back, j)
+                self.server.note_settled(j, got_back)
+            self._logged_totals = {}
         settle = sum(self.server.pop_settled().values())
         if settle:
             log.warning("%s %s: absorbed %.6g of push-sum weight lost in a restart (settled by the ledger)",
@@ -654,6 +668,29 @@ def _absorbed(call: Any) -> float | None:
                 return None
             return x if x == x and x >= 0 and x != float("inf") else None
     return None
+
+
+def _load_absorb_log(path: Path, round: int) -> dict[str, float]:
+    """Per sender, the last total absorbed logged at rounds >= ``round``; the log keeps just those lines."""
+    totals: dict[str, float] = {}
+    keep: list[str] = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) != 4 or not (parts[1].isdigit() and parts[2].isdigit()):
+                continue  # a line torn by a kill: its OK was never sent
+            try:
+                total = float(parts[3])
+            except ValueError:
+                continue
+            if int(parts[1]) >= round and total == total and total >= 0:
+                totals[parts[0]] = max(totals.get(parts[0], 0.0), total)
+                keep.append(line)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(x + "\n" for x in keep))
+    os.replace(tmp, path)
+    return totals
 
 
 def _load_pushes_log(path: Path, round: int) -> set[tuple[str, int, int]]:
