@@ -54,6 +54,7 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
     exp = Experiment.from_config(cfg)
     if peer_id not in exp.topology.ids:
         raise ValueError(f"peer {peer_id!r} is not in topology {cfg.topology} (peers: {', '.join(exp.topology.ids)})")
+    exp.topology.address(peer_id)  # placed? (a graph-only topology needs an address book: one-line TopologyError)
     network = network_for(cfg, certs, insecure)
     algo = exp.new_algorithm()
     if cfg.network.mode == "async" and algo.mode != "pull":

@@ -74,6 +74,12 @@ def test_config_key_places_the_topology_and_simulation_needs_none(tmp_path: Path
     # without the key the graph-only topology loads unplaced: all the simulation needs
     bare = load_config(cfg_path, ["network.addresses=null"])
     assert bare.network.addresses is None and not Experiment.from_config(bare).topology.has_addresses
+    # ... and a peer process refuses to start unplaced, before it writes anything
+    from p2pfl.standalone import run_node
+
+    with pytest.raises(TopologyError, match="gives no address for peer 'p0'"):
+        run_node(bare, "p0", tmp_path / "node", insecure=True)
+    assert not (tmp_path / "node").exists()
     # the book wins over addresses a (legacy) topology file still carries
     generate("ring", 4).dump(tmp_path / "topology.yaml")
     assert Experiment.from_config(load_config(cfg_path)).topology.address("p0") == "127.0.0.1:47300"
