@@ -161,3 +161,51 @@ def certs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("certs")
     make_certs(["p0", "p1", "p2", "p3"], d)
     return d
+
+
+def test_a_receiver_restarted_while_its_senders_are_gone_restores_what_it_mixed_from_its_log(
+        certs_dir: Path, tmp_path: Path) -> None:
+    """p1 mixes its round-1 pushes (each logged, fsync'd, before the OK), then restarts from its
+    round-1 checkpoint (totals of round 0) while its senders are gone: recovery cannot reach them,
+    so the weight it had absorbed comes back from its write-ahead log after its resumed round."""
+    from p2pfl.security import TLSConfig
+    from p2pfl.transport.grpc_service import PeerServer
+    from p2pfl.transport.grpc_transport import GrpcTransport
+    from tests.test_grpc_peer import CFG_TLS, CHUNK, SPECS, Cluster, cluster, message, ring
+
+    topo = ring(4)
+    mu = {"mu": 1.0}
+    log = tmp_path / "p1.pushes"
+
+    def start_p1(c: Cluster, round: int) -> None:
+        tls = TLSConfig.load(certs_dir, "p1")
+        s = PeerServer()
+        s.start(topo.address("p1"), topo, "p1", expected_specs=SPECS, scalar_keys=("mu",), mode="push", tls=tls,
+                chunk_bytes=CHUNK, max_message_mb=1)
+        s.set_round(round)
+        c.servers["p1"] = s
+        c.transports["p1"] = GrpcTransport("p1", topo, s, tls=tls, network_cfg=CFG_TLS, expected_specs=SPECS,
+                                           scalar_keys=("mu",), pushes_log=log)
+
+    with cluster(topo, ["p0", "p2", "p3"], certs_dir, mode="push", scalar_keys=("mu",)) as c:
+        start_p1(c, 0)
+        c.exchange_all({p: message(topo, p, 0, scalars=mu) for p in topo.ids})
+        checkpoint = c.transports["p1"].ledger_state()  # the totals saved with p1's round-1 checkpoint
+        res = c.exchange_all({p: message(topo, p, 1, scalars=mu) for p in topo.ids})
+        assert all(not x.missing and not x.undelivered for x in res.values())
+        mixed = sum(topo.plan("p1", 1, 0, mode="push").in_weights.values())  # mu = 1 from each sender
+        assert log.with_suffix(".absorbed").read_text().count("\n") == 4  # rounds 0 and 1, two senders each
+        # kill p1 and its senders; p1 restarts at round 1 with its checkpoint's totals
+        for p in ("p1", "p0", "p2"):
+            c.transports.pop(p).close()
+            c.servers.pop(p).stop(0)
+        start_p1(c, 1)
+        c.transports["p1"].restore_ledger(checkpoint)
+        plan = topo.plan("p1", 1, 0, mode="push")
+        again = c.transports["p1"].exchange(message(topo, "p1", 1, scalars=mu), plan, 3.0)
+        # its own round-1 pushes were mixed before the restart (pushes log): given, not pushed again
+        assert sorted(again.missing) == ["p0", "p2"] and again.undelivered == []
+        assert again.mu_settle == pytest.approx(mixed, abs=1e-12) and mixed > 0
+        assert checkpoint is not None
+        now = c.transports["p1"].server.absorbed()  # raised to the logged totals, per sender
+        assert now == pytest.approx({j: checkpoint["absorbed"][j] + w for j, w in plan.in_weights.items()}, abs=1e-12)
