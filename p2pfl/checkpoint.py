@@ -66,26 +66,9 @@ def checkpoint_info(path: str | Path) -> tuple[int, dict | None]:
 def reconcile_metrics(path: str | Path, round: int, record: dict | None) -> int:
     """Make a peer's ``metrics.jsonl`` hold exactly rounds ``< round`` once each, for a resume at ``round``.
 
-    A node writes its checkpoint (carrying the round's record) before the metrics line, so a kill
-    can leave the metrics one record short (restored here from ``record``) or, with checkpoints
-    every k rounds, ahead of the checkpoint (those records are dropped: the rounds are redone).
-    Duplicates are dropped too. Rewritten atomically (temporary file + rename); returns the
-    number of records kept.
+    The checkpoint carries the round's record because it is written before the metrics line; the
+    repair itself is the run folder's (`p2pfl.runfolder.keep_rounds`, the one definition).
     """
-    path = Path(path)
-    recs: dict[int, str] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-                r = int(rec["round"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a line torn by the kill
-            if r < round and r not in recs:
-                recs[r] = json.dumps(rec, sort_keys=True)
-    if record is not None and int(record.get("round", -1)) == round - 1 and round - 1 not in recs:
-        recs[round - 1] = json.dumps(record, sort_keys=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(recs[r] + "\n" for r in sorted(recs)))
-    os.replace(tmp, path)
-    return len(recs)
+    from p2pfl.runfolder import keep_rounds
+
+    return keep_rounds(Path(path), round, record)

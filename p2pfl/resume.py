@@ -14,12 +14,13 @@ RNG state). A finished run drops its generations and keeps the final checkpoints
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from p2pfl.runfolder import keep_rounds
 
 #: Checkpoint generations kept per peer (peers drift apart by far less than two checkpoint intervals).
 GENERATIONS = 3
@@ -94,11 +95,7 @@ def prepare_resume(run_dir: Path, peers: list[str], before: int | None = None) -
         os.replace(tmp, ckpt)
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
-        keep = [line for line in metrics.read_text().splitlines()
-                if line.strip() and int(json.loads(line)["round"]) < start]
-        tmp = metrics.with_name(metrics.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        tmp.replace(metrics)
+        keep_rounds(metrics, start)  # the one definition of "the records of the rounds before start"
     return start
 
 

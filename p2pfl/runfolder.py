@@ -12,15 +12,21 @@
 Every driver (``simulate`` with either engine, ``launch``, the Flower baselines, ``flwr run``)
 goes through one `RunFolder`: created only after the experiment validated, it writes the
 inputs, owns the metrics writer and the progress display, and at the end sorts the metrics and
-writes the summary and the plot. ``p2pfl node`` appends to its own ``metrics-<peer>.jsonl`` with
-a `MetricsWriter`; ``launch`` merges those files into the run folder.
+writes the summary and the plot. ``p2pfl node`` (one peer of a launch or a compose deployment,
+all sharing one folder) opens its part with `RunFolder.for_peer`: the same inputs (written once,
+atomically, by whichever peer comes first), its own ``metrics-<peer>.jsonl`` (`peer_metrics_path`)
+made consistent with its checkpoint on a restart (`keep_rounds`), and a progress line per round;
+``launch`` merges the peers' files into ``metrics.jsonl`` and finishes the folder.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +35,13 @@ import yaml
 if TYPE_CHECKING:
     from p2pfl.config import ExperimentConfig
     from p2pfl.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+def peer_metrics_path(run_dir: Path, peer_id: str) -> Path:
+    """Where ``p2pfl node`` records peer ``peer_id``'s rounds (``p2pfl watch`` and docker/e2e.py read it)."""
+    return Path(run_dir) / f"metrics-{peer_id}.jsonl"
 
 
 class MetricsWriter:
@@ -65,12 +78,50 @@ def sort_metrics(path: Path, peer_order: list[str]) -> list[dict[str, Any]]:
     return recs
 
 
+def keep_rounds(path: Path, before: int, record: dict[str, Any] | None = None) -> int:
+    """Make a metrics file hold exactly the rounds ``< before`` once per peer, for a resume at ``before``.
+
+    Why: a peer writes its checkpoint (carrying the round's record) before the metrics line, so a
+    kill can leave the file one record short (restored here from ``record``, the checkpoint's
+    record of round ``before - 1``), ahead of the checkpoint (those rounds are redone: dropped),
+    with a duplicate, or with a line torn by the kill (dropped). Rewritten atomically (temporary
+    file + rename); returns the number of records kept. Serves a peer's ``metrics-<peer>.jsonl``
+    and a simulation's ``metrics.jsonl`` (all peers) alike.
+    """
+    path = Path(path)
+    recs: dict[tuple[str, int], str] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                key = (str(rec.get("peer")), int(rec["round"]))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a line torn by the kill
+            if key[1] < before and key not in recs:
+                recs[key] = json.dumps(rec, sort_keys=True)
+    if record is not None and int(record.get("round", -1)) == before - 1:
+        recs.setdefault((str(record.get("peer")), before - 1), json.dumps(record, sort_keys=True))
+    order = sorted(recs, key=lambda k: (k[1], k[0]))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(recs[k] + "\n" for k in order))
+    os.replace(tmp, path)
+    return len(recs)
+
+
+def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """Several peers of one deployment may write the same input at once: each replaces it whole."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
 def write_inputs(run_dir: Path, raw_config: dict[str, Any], topology_dict: dict[str, Any], partition) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(raw_config, sort_keys=False))
-    (run_dir / "topology.yaml").write_text(yaml.safe_dump(topology_dict, sort_keys=False))
+    config, topology = yaml.safe_dump(raw_config, sort_keys=False), yaml.safe_dump(topology_dict, sort_keys=False)
+    _write_atomic(run_dir / "config.yaml", lambda p: p.write_text(config))
+    _write_atomic(run_dir / "topology.yaml", lambda p: p.write_text(topology))
     if partition is not None:  # None: a ClientApp partitions its own data
-        partition.save(run_dir / "partition.json")
+        _write_atomic(run_dir / "partition.json", partition.save)
 
 
 def per_round(recs: list[dict[str, Any]]) -> dict[int, list[float]]:
@@ -179,16 +230,21 @@ class RunFolder:
     """One run's folder, from the first file written to the summary and plot (the lifecycle every
     driver shares, so each mode writes the same files the same way).
 
-    ``record`` is the metrics sink a driver hands to its peers (thread-safe); it also advances the
-    progress bar when one is shown. ``finish`` closes both and writes ``summary.json`` (the common
-    fields name/algorithm/seed/mode/wall_seconds plus the driver's ``extra``) and ``accuracy.png``.
+    ``record`` is the metrics sink a driver hands to its peers (thread-safe); it also reports
+    progress: it advances the progress bar when one is shown, and for one peer's part of a
+    deployment (`for_peer`) it logs the round's line. ``finish`` closes both and writes
+    ``summary.json`` (the common fields name/algorithm/seed/mode/wall_seconds plus the driver's
+    ``extra``) and ``accuracy.png``.
     """
 
-    def __init__(self, path: Path, cfg: ExperimentConfig, mode: str, *, append: bool = False) -> None:
+    def __init__(self, path: Path, cfg: ExperimentConfig, mode: str, *, append: bool = False,
+                 peer: str | None = None) -> None:
         self.path = Path(path)
         self.cfg = cfg
         self.mode = mode
-        self.metrics = MetricsWriter(self.path / "metrics.jsonl", truncate=not append)
+        self.peer = peer
+        metrics = peer_metrics_path(self.path, peer) if peer is not None else self.path / "metrics.jsonl"
+        self.metrics = MetricsWriter(metrics, truncate=not append)
         self._bar: Any = None
         self._task: Any = None
         self._t0 = time.perf_counter()
@@ -201,6 +257,24 @@ class RunFolder:
         write_inputs(Path(path), cfg.raw, topology.to_dict(), partition)
         return cls(Path(path), cfg, mode, append=append)
 
+    @classmethod
+    def for_peer(cls, path: str | Path, cfg: ExperimentConfig, topology: Topology, partition: Any, peer: str, *,
+                 resume_at: int | None = None, checkpoint_record: dict[str, Any] | None = None) -> RunFolder:
+        """``p2pfl node``: peer ``peer``'s part of a run folder that the deployment's peers share.
+
+        The inputs are written when the folder has none yet (``launch`` wrote them already; in a
+        compose deployment the first peer does, atomically). ``resume_at``: the round the peer's
+        checkpoint resumes at; its ``metrics-<peer>.jsonl`` is first made to hold exactly the rounds
+        before it (`keep_rounds`, with ``checkpoint_record``), then appended to. Records carry the
+        wall clock (``time``), so runs are compared after the same wall time.
+        """
+        path = Path(path)
+        if not (path / "config.yaml").exists():
+            write_inputs(path, cfg.raw, topology.to_dict(), partition)
+        if resume_at is not None:
+            keep_rounds(peer_metrics_path(path, peer), resume_at, checkpoint_record)
+        return cls(path, cfg, "node", append=resume_at is not None, peer=peer)
+
     def show_progress(self, total: int, label: str = "simulating", unit: str = "peer-rounds") -> None:
         """A progress bar over ``total`` records (one per ``record`` call) until ``finish``/``close``."""
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -210,10 +284,17 @@ class RunFolder:
         self._bar.start()
         self._task = self._bar.add_task(label, total=total)
 
-    def record(self, rec: dict[str, Any]) -> None:
+    def record(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """Write one record (and report progress); returns the record as written."""
+        if self.peer is not None:
+            rec = {**rec, "time": time.time()}
         self.metrics(rec)
         if self._bar is not None:
             self._bar.advance(self._task)
+        if self.peer is not None:
+            log.info("%s round %d: acc=%s loss=%s sent=%s recv=%s missing=%s", self.peer, rec["round"],
+                     rec.get("acc"), rec.get("loss"), rec.get("bytes_sent"), rec.get("bytes_recv"), rec.get("missing"))
+        return rec
 
     def close(self) -> None:
         """Stop the progress bar and close the metrics file (idempotent; ``finish`` calls it)."""
@@ -228,7 +309,7 @@ class RunFolder:
         self.close()
         with open(self.path / "metrics.jsonl", "w") as f:
             for pid in peer_ids:
-                part = self.path / f"metrics-{pid}.jsonl"
+                part = peer_metrics_path(self.path, pid)
                 if part.exists():
                     f.write(part.read_text())
 

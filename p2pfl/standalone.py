@@ -44,10 +44,10 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
     """
     import torch
 
-    from p2pfl.checkpoint import checkpoint_info, reconcile_metrics
+    from p2pfl.checkpoint import checkpoint_info
     from p2pfl.experiment import Experiment
     from p2pfl.modelpool import ModelPool
-    from p2pfl.runfolder import MetricsWriter
+    from p2pfl.runfolder import RunFolder
     from p2pfl.transport.grpc_transport import start_grpc_peer
 
     torch.set_num_threads(threads)  # 1 thread: bitwise the same as the simulation on CPU
@@ -70,8 +70,8 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
                                 start_round=start_round,
                                 pushes_log=ckpt_path.with_suffix(".pushes") if cfg.checkpoint_every else None)
     last: dict[str, Any] = {}
-    metrics_path = out_dir / f"metrics-{peer_id}.jsonl"
     telemetry = None
+    run: RunFolder | None = None
     try:
         if metrics_port is not None:
             from p2pfl.node_metrics import NodeTelemetry
@@ -80,19 +80,17 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
             telemetry = NodeTelemetry(peer_id, nbrs, cfg.rounds, host=metrics_host, port=metrics_port,
                                       probe=lambda n: int(transport.status(n, timeout_s=2.0).round))
         ckpt_exists = cfg.checkpoint_every > 0 and ckpt_path.exists()
-        if ckpt_exists:  # exactly rounds < start_round, once each (a kill may have cut either write)
-            reconcile_metrics(metrics_path, start_round, ckpt_record)
-        writer = MetricsWriter(metrics_path, truncate=not ckpt_exists)
+        # resuming: metrics-<peer>.jsonl holds exactly rounds < start_round, once each (a kill may
+        # have cut either write); the run folder's one lifecycle, as simulate and launch use it
+        run = RunFolder.for_peer(out_dir, cfg, exp.topology, exp.partition, peer_id,
+                                 resume_at=start_round if ckpt_exists else None, checkpoint_record=ckpt_record)
 
         def record(rec: dict[str, Any]) -> None:
-            rec = {**rec, "time": time.time()}  # wall clock: compares runs after the same wall time
+            rec = run.record(rec)
             last.clear()
             last.update(rec)
-            writer(rec)
             if telemetry is not None:
                 telemetry.observe(rec)
-            log.info("%s round %d: acc=%s loss=%s sent=%d recv=%d missing=%s", peer_id, rec["round"],
-                     rec.get("acc"), rec.get("loss"), rec["bytes_sent"], rec["bytes_recv"], rec.get("missing"))
 
         node = exp.make_node(peer_id, transport=transport, models=ModelPool(exp.model_factory, 1), record=record,
                              run_dir=out_dir, stop=stop)
@@ -102,8 +100,9 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
                 telemetry.resumed(node.state.round)
             node.rejoin()
         node.run()
-        writer.close()
     finally:
+        if run is not None:
+            run.close()
         if telemetry is not None:
             telemetry.close()
         transport.close()
