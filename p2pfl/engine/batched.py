@@ -22,7 +22,6 @@ per-peer timings in the records are the batch's times divided by the number of p
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -217,9 +216,14 @@ def simulate_batched(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, *, p
     ids = list(exp.topology.ids)
     run = RunFolder.start(run_dir, cfg, exp.topology, exp.partition, "simulate")
     threads = torch.get_num_threads()
-    # One process steps every peer: on a CPU, ``simulation.workers`` become its torch threads.
-    workers = max(1, min(cfg.workers, os.cpu_count() or 1)) if exp.device.type == "cpu" else 1
-    torch.set_num_threads(workers)
+    # One process steps every peer, with one torch thread. ``simulation.workers`` torch threads
+    # were tried: a step of one peer's batch (a few small kernels) is too small to split, and the
+    # threads' synchronization burnt the CPU instead (measured, cnn_small batch 16, a loaded 2-core box: 10x
+    # the CPU seconds of one thread per step, 7x the wall time of the exact engine per round).
+    # Python threads over the peers cannot share the model either: functional_call swaps the
+    # parameters of the one module in place.
+    workers = 1
+    torch.set_num_threads(1)
     if progress:
         run.show_progress(len(ids) * cfg.rounds, "simulating (batched)")
     try:
