@@ -375,15 +375,16 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
 def _mount(argv: list[str] | None = None) -> None:
     import importlib
 
-    from p2pfl.topology.cli import app as topology_app
-
-    if not any(g.name == "topology" for g in app.registered_groups):
-        app.add_typer(topology_app, name="topology", help="generate, check and draw topology files")
     args = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
     # typer leaves CommandInfo.name unset for @app.command(); the command is then the function's name
     have = {c.name or (c.callback.__name__.replace("_", "-") if c.callback else None) for c in app.registered_commands}
+    if not args or args[0] not in have:  # the topology sub-app imports numpy, pydantic and networkx
+        from p2pfl.topology.cli import app as topology_app
+
+        if not any(g.name == "topology" for g in app.registered_groups):
+            app.add_typer(topology_app, name="topology", help="generate, check and draw topology files")
     if args and (args[0] in have or args[0] == "topology"):
-        return  # an eager command (e.g. simulate) needs none of the lazy ones: no flwr, no grpc
+        return  # an eager command (e.g. health) needs none of the lazy ones (nor the topology sub-app)
     wanted = [args[0]] if args and args[0] in LAZY_COMMANDS else list(LAZY_COMMANDS)
     for name in wanted:
         if name not in have:
