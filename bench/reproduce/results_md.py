@@ -91,6 +91,8 @@ PERSONALIZED_DITTO = ("personalized: mean over clients of each client's own Ditt
                       "(drawn with its training label mix), last round")
 #: the metric each method's number is (the papers' own: personalized, except FedAvg's single global model)
 METRIC_OF = {"fedavg": GLOBAL_ON_OWN, "fedrep": PERSONALIZED_PS, "ditto": PERSONALIZED_DITTO}
+METRIC_SHORT = {"fedavg": "global model, own split", "fedrep": "own head + global body, own split",
+                "ditto": "own v_k, own split"}  # others: each peer's own model on its own split
 MAIN = ("dpsgd", "dispfl", "deprl-epochs")  # the 27 cells of Table 1, paper order
 
 #: DePRL Table 1, Fashion-MNIST (AlexNet) rows, 128 workers, mean ± spread over 4 seeds (spec 004 §4).
@@ -411,7 +413,7 @@ def plot(cells: list[dict[str, Any]], title: str, out: Path) -> Path | None:
         ax.axhline(c["paper"], color=color, linestyle="--", linewidth=1, label=f"{c['method']}: paper {c['paper']:.2f}")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
-    ax.set_ylabel("accuracy (%), personalized")
+    ax.set_ylabel("accuracy (%), each peer's own test split")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right", ncol=2)
@@ -559,9 +561,9 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
             "CPU here (see Cost); these numbers never stand in for Table 1 cells, and the curves are not flat. "
             "x̄ is recorded for every run, but for DePRL and DisPFL it averages the personal heads / masks too: "
             "it is not those papers' metric, only the DFedADMM / DFedSAM papers'.", ""]
-    doc += md_table(["method", "ours (personalized, %, round 10)", "x̄ (%)", "paper (round ?, AlexNet)", "seeds",
+    doc += md_table(["method", "ours (%, round 10)", "metric", "x̄ (%)", "paper (round ?, AlexNet)", "seeds",
                      "status"],
-                    [[c["method"], fmt(c), "—" if c["avg_model"]["mean"] is None else f"{c['avg_model']['mean']:.2f}",
+                    [[c["method"], fmt(c), METRIC_SHORT.get(c["case"], "own model, own split"), "—" if c["avg_model"]["mean"] is None else f"{c['avg_model']['mean']:.2f}",
                       f"{c['paper']:.2f}", ", ".join(map(str, c["seeds"])) or "—", c["status"]] for c in smoke]) + [""]
     smoke_ord = [o for o in results["orderings"] if o["table"] == "deprl-t1-smoke" and o["result"] != NOT_RUN]
     if smoke_ord:
