@@ -275,6 +275,11 @@ class Node:
         if self.checkpoint_path is not None and self.checkpoint_every and (
             (r + 1) % self.checkpoint_every == 0 or r + 1 == self.rounds
         ):
+            late = self.transport.late_settlement() if self.algorithm.mode == "push" else 0.0
+            if late:  # e.g. a push mixed here whose OK could not be sent: its share goes back (mu only)
+                self.state.scalars[MU] = float(self.state.scalars[MU]) + late
+                rec["mu_settled"] = rec.get("mu_settled", 0.0) + late
+                rec["mu"] = float(self.state.scalars[MU])
             ledger = self.transport.ledger_state()  # push-sum running totals, consistent with this state
             save_checkpoint(self.checkpoint_path, self.state, self.generator,
                             meta={"record": rec, **({"ledger": ledger} if ledger is not None else {})})

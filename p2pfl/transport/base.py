@@ -64,6 +64,11 @@ class Transport(ABC):
         """Push-sum running totals to checkpoint with the state (None: this transport loses no mass)."""
         return None
 
+    def late_settlement(self) -> float:
+        """Push-sum weight settled since the last exchange (e.g. a mixed push whose OK could not be
+        sent), for the node to add to its mu before it checkpoints (0 by default)."""
+        return 0.0
+
     def restore_ledger(self, ledger: dict | None) -> None:
         """Restore the running totals of the checkpoint being resumed (nothing by default)."""
         return None

@@ -207,6 +207,7 @@ class PeerServer:
         self._absorbed: dict[str, float] = {}
         self._claims: dict[tuple[str, int, int], float] = {}
         self._absorbed_at: dict[tuple[str, int, int], float] = {}
+        self._shares: dict[tuple[str, int, int], float] = {}  # the share each mixed key added, until answered
         self._settled: dict[str, float] = {}
         self._withheld: set[tuple[str, int, int]] = set()  # keys whose sender kept its whole share
         # Write-ahead log of the totals absorbed (``<checkpoint>.absorbed``): appended and fsync'd before
@@ -426,6 +427,7 @@ class PeerServer:
         for key in [k for k in self._decided if k[1] < forget]:
             del self._decided[key]
             self._absorbed_at.pop(key, None)
+            self._shares.pop(key, None)
             self._withheld.discard(key)
 
     def gave(self, peer: str, round: int, step: int, payload: EncodedPayload) -> None:
@@ -534,11 +536,34 @@ class PeerServer:
         total = total + share
         self._absorbed[j] = total
         self._absorbed_at[key] = total
-        if self.absorb_log is not None:  # durable before the OK leaves (the sender then gives the share up)
+        self._shares[key] = share
+        self._log_absorbed(j, r, s, total)
+
+    def _log_absorbed(self, j: str, r: int, s: int, total: float) -> None:
+        """Append (fsync'd) the total absorbed from ``j`` after (r, s): durable before the OK leaves."""
+        if self.absorb_log is not None:
             with open(self.absorb_log, "a") as f:
                 f.write(f"{j} {r} {s} {total!r}\n")
                 f.flush()
                 os.fsync(f.fileno())
+
+    def _unanswered(self, key: tuple[str, int, int]) -> None:
+        """A push was mixed but its call ended before the OK could be sent (this peer stalled, or the
+        call's deadline passed in between): the sender keeps the share (rule 2), so this peer gives
+        back what it absorbed (mu only, with the next exchange) and closes the key."""
+        j, r, s = key
+        with self._cond:
+            share = self._shares.pop(key, 0.0)
+            if not share:
+                return
+            total = self._absorbed.get(j, 0.0) - share
+            self._absorbed[j] = total
+            self._absorbed_at[key] = total
+            self._decided[key] = False
+            self._settled[j] = self._settled.get(j, 0.0) - share
+            self._log_absorbed(j, r, s, total)
+        log.warning("%s: the OK for round %d step %d of %s could not be sent; its share is given back",
+                    self.peer_id, r, s, j)
 
     def requested_rounds(self) -> dict[str, int]:
         """Per neighbour, the highest round it pulled or pushed since the last call; resets them.
@@ -942,8 +967,12 @@ class PeerServer:
         mixed = self._offer(key, msg, dec.wire_bytes, context, claim)
         if isinstance(mixed, _Rejected):
             self._reject(context, what, caller, mixed.code, mixed.message)
+        if mixed and not context.is_active():
+            self._unanswered(key)
+            return peer_pb2.PushReply()  # nobody hears it
         with self._cond:  # the running total right after this key was mixed: the sender settles with it
             total = self._absorbed_at.get(key, self._absorbed.get(caller, 0.0))
+            self._shares.pop(key, None)
         context.set_trailing_metadata(((ABSORBED_MD, repr(float(total))),))
         return peer_pb2.PushReply(bytes_received=dec.wire_bytes if mixed else 0)
 

@@ -279,6 +279,9 @@ class GrpcTransport(Transport):
             given = dict(self._given)
         return {"given": given, "absorbed": self.server.absorbed()}
 
+    def late_settlement(self) -> float:
+        return sum(self.server.pop_settled().values())
+
     def restore_ledger(self, ledger: dict[str, Any] | None) -> None:
         """Restore the running totals saved with the checkpoint being resumed (the state they match)."""
         if not isinstance(ledger, dict):
