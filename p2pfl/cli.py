@@ -106,6 +106,24 @@ def _locate(exc: BadInput, config: Path) -> BadInput:
     return exc.located(str(config))
 
 
+@contextmanager
+def _making(folder: Path, config: Path):
+    """A command that makes a run folder from CONFIG: a refusal found while the experiment is
+    assembled names the config (and leaves no folder behind, as any bad input); a run that fails
+    (ValueError, RuntimeError) is one line on stderr and exit 1."""
+    try:
+        with _no_leftovers(folder):
+            yield
+    except BadInput as exc:
+        _locate(exc, config)
+        raise
+    except typer.Exit:
+        raise
+    except (ValueError, RuntimeError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
 def _check_peer(cfg, peer: str, certs: Path | None, insecure: bool) -> None:
     """`p2pfl node`: the peer is in the topology and its certificate files exist (before anything starts)."""
     from p2pfl.badinput import BadInput, suggest
@@ -146,15 +164,8 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
     from p2pfl.simulation import simulate as run_sim
 
     run_dir = out or default_run_dir(cfg.name, cfg.algorithm_name)
-    try:
-        with _no_leftovers(run_dir):
-            summary = run_sim(cfg, run_dir, progress=not quiet, resume=resume)
-    except BadInput as exc:
-        _locate(exc, config)
-        raise
-    except (ValueError, RuntimeError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    with _making(run_dir, config):
+        summary = run_sim(cfg, run_dir, progress=not quiet, resume=resume)
     print_summary(summary, run_dir)
 
 
@@ -203,16 +214,9 @@ def launch(config: ConfigOpt, out: Annotated[Path | None, typer.Option(help="run
     from p2pfl.standalone import launch as run_launch
 
     run_dir = out or default_run_dir(cfg.name, cfg.algorithm_name + "-launch")
-    try:
-        with _no_leftovers(run_dir):
-            summary = run_launch(config, cfg, run_dir, list(set or []), insecure=insecure, timeout_s=timeout,
-                                 verbose=verbose)
-    except BadInput as exc:
-        _locate(exc, config)
-        raise
-    except (ValueError, RuntimeError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    with _making(run_dir, config):
+        summary = run_launch(config, cfg, run_dir, list(set or []), insecure=insecure, timeout_s=timeout,
+                             verbose=verbose)
     print_summary(summary, run_dir)
     if summary["failed_peers"]:
         typer.echo(f"error: peers failed: {summary['failed_peers']}", err=True)
@@ -238,16 +242,9 @@ def compare(config: ConfigOpt,
     cfg = _load(config, sets)
     run_dir = out or default_run_dir(cfg.name, "compare")
     width = max(len(e.label) for e in entries)
-    try:
-        with _no_leftovers(run_dir):
-            run_compare(config, entries, run_dir, sets=sets, progress=not quiet,
-                        on_result=lambda row: typer.echo(summary_line(row, width)))
-    except BadInput as exc:
-        _locate(exc, config)
-        raise
-    except (ValueError, RuntimeError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    with _making(run_dir, config):
+        run_compare(config, entries, run_dir, sets=sets, progress=not quiet,
+                    on_result=lambda row: typer.echo(summary_line(row, width)))
     typer.echo(f"plot: {run_dir / 'comparison.png'}  (one run folder per algorithm in {run_dir})")
 
 
