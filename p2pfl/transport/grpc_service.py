@@ -547,6 +547,17 @@ class PeerServer:
                 f.flush()
                 os.fsync(f.fileno())
 
+    def _settle_claim(self, sender: str, claim: float) -> None:
+        """The sender durably gave ``claim`` in total before this push: raise this peer's total
+        absorbed to it (the difference was lost with this peer's state) and settle the difference."""
+        if self.mode != "push":
+            return
+        with self._cond:
+            have = self._absorbed.get(sender, 0.0)
+            if claim > have:
+                self._absorbed[sender] = claim
+                self._settled[sender] = self._settled.get(sender, 0.0) + (claim - have)
+
     def _unanswered(self, key: tuple[str, int, int]) -> None:
         """A push was mixed but its call ended before the OK could be sent (this peer stalled, or the
         call's deadline passed in between): the sender keeps the share (rule 2), so this peer gives
@@ -932,6 +943,12 @@ class PeerServer:
             if not (math.isfinite(claim) and claim >= 0):
                 self._reject(context, what, caller, grpc.StatusCode.INVALID_ARGUMENT,
                              f"metadata {GIVEN_MD} must be a finite number >= 0, got {excerpt(md[GIVEN_MD])}")
+        # Settle on any contact (rule 6): the claim raises this peer's total, and every answer,
+        # a refusal included, tells the sender this peer's total absorbed from it.
+        if claim is not None:
+            self._settle_claim(caller, claim)
+        with self._cond:
+            context.set_trailing_metadata(((ABSORBED_MD, repr(float(self._absorbed.get(caller, 0.0)))),))
         if md.get(KEEP_MD) == "1":  # the sender keeps its whole share this step: nothing to mix
             kept = self._withhold(key, context)
             self._reject(context, what, caller, *kept)

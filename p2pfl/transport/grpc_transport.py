@@ -448,9 +448,7 @@ class GrpcTransport(Transport):
         owed = 0.0
         with self._lock:
             for k, (ok, absorbed) in fates.items():
-                if not ok:
-                    continue
-                total = self._given.get(k, 0.0) + plan.out_weights[k] * mu
+                total = self._given.get(k, 0.0) + (plan.out_weights[k] * mu if ok else 0.0)
                 if absorbed is not None and absorbed > total:
                     pay = min(absorbed - total, max(0.0, budget - owed))
                     owed += pay
@@ -514,7 +512,13 @@ class GrpcTransport(Transport):
                 code = e.code()
                 why = f"{code.name}: {bounded(e.details() or '', 300)}"
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS):
-                    break
+                    told = _absorbed(e)  # a refusal still tells this peer's total absorbed there
+                    if why.startswith("ABORTED") and any(k == KEEP_MD for k, _ in metadata):
+                        return False, told  # withheld on purpose: the receiver knows; nothing failed
+                    self._failed(peer, why)
+                    log.warning("%s %s: push to %s not mixed (%s); its share stays here", self.peer_id, tag,
+                                peer, why[:300])
+                    return False, told
                 attempt += 1
                 time.sleep(min(backoff_s(attempt), max(0.0, deadline - time.monotonic())))
                 continue
@@ -524,8 +528,6 @@ class GrpcTransport(Transport):
             self._note_mixed(peer, int(payload.header.round), int(payload.header.step))
             self._mark_up(peer)
             return True, _absorbed(call)
-        if why.startswith("ABORTED") and any(k == KEEP_MD for k, _ in metadata):
-            return False, None  # withheld on purpose: the receiver knows; nothing failed
         self._failed(peer, why)
         log.warning("%s %s: push to %s not mixed (%s); its share stays here", self.peer_id, tag, peer, why[:300])
         return False, None
@@ -663,7 +665,11 @@ class GrpcTransport(Transport):
 
 def _absorbed(call: Any) -> float | None:
     """The receiver's running total absorbed from this peer, from a Push reply's trailing metadata."""
-    for k, v in call.trailing_metadata() or ():
+    try:
+        md = call.trailing_metadata() or ()
+    except Exception:  # an error raised before any call existed
+        return None
+    for k, v in md:
         if k == ABSORBED_MD and isinstance(v, str):
             try:
                 x = float(v[:40])
