@@ -8,8 +8,9 @@ load on a shared machine:
 
 * ``exact``: `p2pfl.simulation.simulate` (the default engine, bitwise equal to launch/compose).
 * ``batched``: the same `simulate` with ``simulation.engine=batched`` (every peer a row of stacked
-  tensors, one vmapped forward/backward per local step, one matrix product per gossip step; on a
-  CPU it uses ``workers`` torch threads in one process).
+  tensors, one vmapped forward/backward per local step on a GPU, a loop over the peers on a CPU;
+  one matrix product per gossip step; one process with one torch thread, so on a CPU it uses one
+  core where the others use ``workers``).
 * ``loop``: the limit. ``workers`` processes x 1 torch thread, peer i on process i * W // N as in
   the simulation; every peer's flat parameters in one shared-memory tensor (double buffered), one
   model per process whose parameters are views of a peer's row; per round each process runs its
@@ -24,6 +25,22 @@ process tree over the same span; ``total_s`` the child's wall time, start-up and
 included; ``peak_rss_mb`` the peak of the process tree's summed RSS (``peak_pss_mb``: the same in
 PSS, which counts pages shared after fork once), sampled every 0.2 s by this process. Ratios are
 taken per repeat (side by side) and reported as median and min over repeats.
+
+Figures (2026-11-23, the shared 2-core CPU box at load average 18-21 from other jobs, so wall
+times are inflated and noisy; ratios are per repeat, side by side):
+
+* 128 peers, ``--peers 128 --rounds 6 --repeats 2 --engines exact,loop``: exact/loop wall 1.08x
+  (repeat 1) and 1.79x (repeat 0, when a test run of ours overlapped the exact engine), CPU
+  seconds 1.23x / 1.60x, peak RSS 1.08x, PSS 1.45x (1159 vs 791 MB). Before this session's fixes,
+  one repeat at lower load: wall 1.22x, CPU 1.31x, RSS 1.21x, PSS 1.68x (1416 vs 846 MB). The PSS
+  drop is the ~160 MB per worker that ``torch._dynamo`` cost, imported by the first
+  ``torch.optim.Optimizer`` each worker built (the exact engine now calls the update rule directly).
+* 32 peers, ``--peers 32 --rounds 4 --repeats 2`` (all three engines): batched/exact wall 1.53x
+  median (min 1.32x), CPU s/round 1.36 (batched) vs 1.26 (exact) vs 1.01 (loop). Before: 7x
+  slower (21.5 vs 3.0 s/round), because the batched engine ran ``workers`` intra-op torch
+  threads, whose synchronization on a batch-16 step burnt ~10x the CPU of one thread. It now
+  runs one thread, i.e. one core where exact and loop use two: on a CPU it costs about what exact
+  costs in CPU seconds and cannot be faster in wall time; it is for GPUs.
 
 Usage: python bench/many_peers.py [--rounds 10] [--peers 128] [--repeats 2] [--engines exact,batched,loop]
 The last line is one JSON object.
