@@ -61,6 +61,9 @@ _BACKOFF_MAX_S = 1.0
 #: from this peer right after it (None when the reply carried none).
 PushFate = tuple[bool, float | None]
 
+#: Push-sum: how long a finished peer keeps serving for a neighbour that is down (its ledger).
+_LINGER_DOWN_S = 60.0
+
 #: Of what a sender keeps in one step, at most this fraction settles a debt to a receiver (the rest
 #: next time), so settling never drives its weight to 0.
 _SETTLE_FRACTION = 0.5
@@ -643,6 +646,30 @@ class GrpcTransport(Transport):
                             ",".join(sorted(left)), key[0], key[1])
         if self._pushes:
             futures.wait(self._pushes, timeout=max(0.0, deadline - time.monotonic()))
+        if self.server.mode == "push":
+            self._linger_for_down(deadline_s)
+
+    def _linger_for_down(self, deadline_s: float) -> None:
+        """Push-sum: keep serving while a neighbour is down (at most ``_LINGER_DOWN_S``), and for a
+        deadline after it is back, so a neighbour restarted after this peer finished can still settle
+        its ledger here (a replayed push is deduplicated or refused with this peer's total absorbed;
+        a recovery Pull gets what this peer gave). Without it, a fate only this peer knows would be
+        lost with it (docs/protocol.md, "Push-sum mass", rule 6)."""
+        nbrs = sorted(self.topology.possible_in_neighbours(self.peer_id)
+                      | self.topology.possible_out_neighbours(self.peer_id))
+        if not any(self.is_down(p) for p in nbrs):
+            return
+        log.warning("%s: finished; serving on while %s down, for its ledger", self.peer_id,
+                    ",".join(p for p in nbrs if self.is_down(p)))
+        bound = time.monotonic() + max(deadline_s, _LINGER_DOWN_S)
+        last_down = time.monotonic()
+        while (now := time.monotonic()) < bound:
+            if any(self.is_down(p) and not self._alive(p) for p in nbrs):
+                last_down = now
+            elif now - last_down >= deadline_s:
+                return
+            time.sleep(max(0.05, min(self.probe_s, bound - time.monotonic())))
+        log.warning("%s: stopping with %s still down", self.peer_id, ",".join(p for p in nbrs if self.is_down(p)))
 
     def configure_wire(self, fmt: WireFormat, chunk_bytes: int | None = None) -> None:
         """The wire format for the neighbours' payloads this peer pulls and for the pushes its server takes."""
