@@ -19,7 +19,10 @@ from p2pfl.algorithms.base import PeerState
 FORMAT = 1
 
 
-def save_checkpoint(path: str | Path, state: PeerState, generator: torch.Generator, meta: dict | None = None) -> None:
+def save_checkpoint(path: str | Path, state: PeerState, generator: torch.Generator, meta: dict | None = None,
+                    durable: bool = True) -> None:
+    """Write atomically (temporary file + rename); ``durable`` also fsyncs it before the rename, so
+    that it survives a power loss, not only a kill of the process."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays: dict[str, np.ndarray] = {
@@ -34,7 +37,8 @@ def save_checkpoint(path: str | Path, state: PeerState, generator: torch.Generat
     with open(tmp, "wb") as f:
         np.savez(f, **arrays)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

@@ -140,7 +140,8 @@ class BatchedSimulation:
         every = self.cfg.checkpoint_every
         if self.ckpt_dir is not None and every and ((r + 1) % every == 0 or r + 1 == total_rounds):
             for i, pid in enumerate(self.ids):
-                save_checkpoint(self.ckpt_dir / f"{pid}.npz", peer_state(self.state, i, pid), self.generators[i])
+                save_checkpoint(self.ckpt_dir / f"{pid}.npz", peer_state(self.state, i, pid), self.generators[i],
+                                durable=False)  # as the exact engine's simulate (docs/protocol.md)
         return recs
 
     # -- gossip ---------------------------------------------------------------------------------
