@@ -105,7 +105,13 @@ def test_peer_killed_mid_run_others_finish_and_it_resumes(tmp_path: Path) -> Non
         for pid in ("p0", "p1", "p2"):
             assert procs[pid].wait(150) == 0, (tmp_path / f"{pid}.log").read_text()[-3000:]
             recs = records(out / f"metrics-{pid}.jsonl")
-            assert [r["round"] for r in recs] == list(range(rounds)), pid
+            got = [r["round"] for r in recs]
+            # every round once, in order; a peer that fell behind its neighbours (a loaded machine) may
+            # fast-forward by design (docs/protocol.md): the rounds it skipped are named by its next record
+            assert got[-1] == rounds - 1 and got == sorted(set(got)), (pid, got)
+            for prev, rec in zip(recs, recs[1:], strict=False):
+                if rec["round"] != prev["round"] + 1:
+                    assert rec.get("fast_forward_from") is not None, (pid, got)
         # p3's ring neighbours (p0, p2) noticed it was gone and mixed without it
         assert any("p3" in r["missing"] for r in records(out / "metrics-p0.jsonl"))
         assert any("p3" in r["missing"] for r in records(out / "metrics-p2.jsonl"))
