@@ -208,6 +208,9 @@ class PeerServer:
         self._claims: dict[tuple[str, int, int], float] = {}
         self._absorbed_at: dict[tuple[str, int, int], float] = {}
         self._shares: dict[tuple[str, int, int], float] = {}  # the share each mixed key added, until answered
+        # Senders whose claims are ignored until this restarted peer's resumed round is over: its
+        # recovery (rule 4) and write-ahead log restore what it lost; a claim on top would count it twice.
+        self.held_claims: frozenset[str] = frozenset()
         self._settled: dict[str, float] = {}
         self._withheld: set[tuple[str, int, int]] = set()  # keys whose sender kept its whole share
         # Write-ahead log of the totals absorbed (``<checkpoint>.absorbed``): appended and fsync'd before
@@ -529,7 +532,7 @@ class PeerServer:
         j, r, s = key
         total = self._absorbed.get(j, 0.0)
         claim = self._claims.pop(key, None)
-        if claim is not None and claim > total:
+        if claim is not None and claim > total and j not in self.held_claims:
             self._settled[j] = self._settled.get(j, 0.0) + (claim - total)
             total = claim
         share = self._plan(r, s).in_weights.get(j, 0.0) * float(msg.scalars.get("mu", 0.0))
@@ -550,7 +553,7 @@ class PeerServer:
     def _settle_claim(self, sender: str, claim: float) -> None:
         """The sender durably gave ``claim`` in total before this push: raise this peer's total
         absorbed to it (the difference was lost with this peer's state) and settle the difference."""
-        if self.mode != "push":
+        if self.mode != "push" or sender in self.held_claims:
             return
         with self._cond:
             have = self._absorbed.get(sender, 0.0)

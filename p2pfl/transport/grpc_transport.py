@@ -170,6 +170,8 @@ class GrpcTransport(Transport):
         if pushes_log is not None and server.mode == "push":
             server.absorb_log = pushes_log.with_suffix(".absorbed")
             self._logged_totals = _load_absorb_log(server.absorb_log, server.round)
+            if restarted:
+                server.held_claims = frozenset(topology.possible_in_neighbours(peer_id))
 
     # ---- channels ------------------------------------------------------------------------------
 
@@ -424,6 +426,8 @@ class GrpcTransport(Transport):
                 fates[k] = (False, None)
             if not fates[k][0]:
                 undelivered.append(k)
+        if message.round >= self._resumed_round:
+            self.server.held_claims = frozenset()  # recovery is over: claims settle again
         if self._logged_totals:  # the resumed round: what recovery (rule 4) did not bring back
             for j, total in self._logged_totals.items():
                 got_back = self.server.raise_absorbed(j, total)
