@@ -35,6 +35,11 @@ times are inflated and noisy; ratios are per repeat, side by side):
   one repeat at lower load: wall 1.22x, CPU 1.31x, RSS 1.21x, PSS 1.68x (1416 vs 846 MB). The PSS
   drop is the ~160 MB per worker that ``torch._dynamo`` cost, imported by the first
   ``torch.optim.Optimizer`` each worker built (the exact engine now calls the update rule directly).
+  The rest of the PSS gap is in the exact workers' heaps (~390-500 MB each vs ~250 MB for a loop
+  worker, per-process PSS sampled at 128 peers): a fixed glibc mmap threshold of 256 KB cut it by
+  ~100 MB per worker but cost CPU (every training activation then an mmap), 2 MB gained ~40 MB
+  in all; neither kept. Checkpoints in `simulate` are no longer fsynced (docs/protocol.md): 128
+  saves took 1.95 s with an fsync each, 0.91 s without, on this disk.
 * 32 peers, ``--peers 32 --rounds 4 --repeats 2`` (all three engines): batched/exact wall 1.53x
   median (min 1.32x), CPU s/round 1.36 (batched) vs 1.26 (exact) vs 1.01 (loop). Before: 7x
   slower (21.5 vs 3.0 s/round), because the batched engine ran ``workers`` intra-op torch

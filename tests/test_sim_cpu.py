@@ -186,3 +186,26 @@ def test_exact_local_training_does_not_import_torch_dynamo() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "DYNAMO False" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_simulate_checkpoints_without_fsync_node_with(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """simulate's checkpoints survive a kill without an fsync each (docs/protocol.md); a node's fsync."""
+    import os
+
+    from p2pfl import checkpoint
+    from p2pfl.algorithms.base import PeerState
+    from p2pfl.config import load_config
+    from p2pfl.simulation import simulate
+    from tests.conftest import tiny_config
+
+    synced: list[int] = []
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: synced.append(fd))
+    cfg = load_config(tiny_config(tmp_path, rounds=2, checkpoint={"every": 1}, simulation={"workers": 1}), [])
+    simulate(cfg, tmp_path / "run", progress=False)
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("*.npz"))
+    assert len(ckpts) == 4 and synced == []
+    state, _, meta = checkpoint.load_checkpoint(ckpts[0])
+    assert state.round == 2 and meta["record"]["round"] == 1
+    checkpoint.save_checkpoint(tmp_path / "n.npz", PeerState("p", torch.zeros(3), {}, {}, 0), torch.Generator())
+    assert len(synced) == 1 and os.path.exists(tmp_path / "n.npz")
