@@ -108,14 +108,21 @@ def test_background_sweep_stops_on_sigterm_and_leaves_a_resumable_cell(tmp_path:
                                text=True).stdout.split()
         return [int(p) for p in found]
 
+    log = (tmp_path / "sweep.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "p2pfl.cli", "sweep", str(sweep), "--out", str(out), "--quiet"],
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=log, stderr=subprocess.STDOUT)
+
+    def said() -> str:
+        cell_log = out / "base" / "log.txt"
+        return ((tmp_path / "sweep.log").read_text(errors="replace")[-3000:]
+                + (cell_log.read_text(errors="replace")[-3000:] if cell_log.exists() else ""))
+
     try:
         gen = out / "base" / "checkpoints" / "gen"
         deadline = time.monotonic() + 180
         while not (gen.is_dir() and len(list(gen.glob("p3.r*.npz"))) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline
+            assert proc.poll() is None and time.monotonic() < deadline, (proc.poll(), said())
             time.sleep(0.2)
         running = cell_pids()
         assert running  # the cell and its two worker processes
@@ -128,6 +135,7 @@ def test_background_sweep_stops_on_sigterm_and_leaves_a_resumable_cell(tmp_path:
             proc.kill()
         for pid in cell_pids():
             os.kill(pid, signal.SIGKILL)
+        log.close()
     assert not (out / "base" / "summary.json").exists()
     cell = plan_cells(load_sweep(sweep))[0]
     assert can_resume(out / "base", cell.config)
