@@ -134,7 +134,9 @@ def folder(file: str) -> str:
     return f"t1-{file}"
 
 
-SWEEPS = tuple(SweepDef((f"{g}-pi{pi}",), "deprl-t1", g, pi) for g, _ in GRAPHS for pi in PIS) + (
+#: Ring, pi 0.1 is split in three files (DePRL first, then seed 0 of every other method, then seeds 1-2).
+_SPLIT = {("ring", 0.1): ("ring-pi0.1", "ring-pi0.1-seed0", "ring-pi0.1-seeds12")}
+SWEEPS = tuple(SweepDef(_SPLIT.get((g, pi), (f"{g}-pi{pi}",)), "deprl-t1", g, pi) for g, _ in GRAPHS for pi in PIS) + (
     SweepDef(("smoke-ring-pi0.1", "smoke-ring-pi0.1-seeds12"), "deprl-t1-smoke", "ring", 0.1),
 ) + tuple(SweepDef((f"ps-ring-pi{pi}",), "deprl-t7", "ring", pi) for pi in PIS) + (
     SweepDef(("ps-smoke-ring-pi0.1", "ps-smoke-ring-pi0.1-ditto"), "deprl-t7-smoke", "ring", 0.1),

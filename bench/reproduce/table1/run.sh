@@ -26,7 +26,7 @@ if [ ! -f "$CODE/.complete" ]; then
 fi
 echo "$SHA" > "$OUT/code.current"
 if [ $# -eq 0 ]; then
-  set -- ring-pi0.1 ring-pi0.3 ring-pi0.5 random-pi0.1 random-pi0.3 random-pi0.5 fc-pi0.1 fc-pi0.3 fc-pi0.5
+  set -- ring-pi0.1 ring-pi0.1-seed0 ring-pi0.1-seeds12 ring-pi0.3 ring-pi0.5 random-pi0.1 random-pi0.3 random-pi0.5 fc-pi0.1 fc-pi0.3 fc-pi0.5
 fi
 cd "$CODE"
 for sweep in "$@"; do
