@@ -191,7 +191,7 @@ class Node:
             train_metrics = self.algorithm.local_update(self.state, ctx, r)
             t_train = time.perf_counter() - t_start
         if self.protocol.slowdown > 1.0:  # experiments only: a peer made this many times slower
-            time.sleep((self.protocol.slowdown - 1.0) * t_train)
+            self.transport.sleep((self.protocol.slowdown - 1.0) * t_train)
 
         sent = recv = 0
         missing: set[str] = set()

@@ -56,17 +56,26 @@ def keep_generation(node: Any, every: int) -> Callable[[int], None] | None:
     if ckpt is None or not every:
         return previous
 
+    # This peer's generations (round, path), listed from the folder once (a resumed run has some),
+    # then kept here: listing the folder of all peers' generations at every checkpoint made the
+    # checkpoint rounds quadratic in the number of peers.
+    mine: list[tuple[int, Path]] | None = None
+
     def on_round(r: int) -> None:
+        nonlocal mine
         done = r + 1
         if done % every == 0 or done == node.rounds:
             gen = ckpt.parent / "gen"
             gen.mkdir(parents=True, exist_ok=True)
+            if mine is None:
+                mine = sorted((p[1], f) for f in gen.iterdir() if (p := _parse(f.name)) and p[0] == node.peer_id)
             target = gen / f"{node.peer_id}.r{done}.npz"
             target.unlink(missing_ok=True)
             os.link(ckpt, target)
-            mine = sorted((p[1], f) for f in gen.iterdir() if (p := _parse(f.name)) and p[0] == node.peer_id)
+            mine = sorted({**dict(mine), done: target}.items())
             for _, old in mine[:-GENERATIONS]:
                 old.unlink(missing_ok=True)
+            mine = mine[-GENERATIONS:]
         if previous is not None:
             previous(r)
 

@@ -13,6 +13,7 @@ generator and mixing sums in plan order.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import queue
@@ -27,7 +28,7 @@ import torch
 from p2pfl.config import ConfigError, ExperimentConfig
 from p2pfl.experiment import Experiment
 from p2pfl.messages import Message
-from p2pfl.modelpool import ModelPool
+from p2pfl.modelpool import ModelPool, RunGate
 from p2pfl.resume import drop_generations, keep_generation, prepare_resume
 from p2pfl.runfolder import RunFolder
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
@@ -73,6 +74,7 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
     if progress:
         run.show_progress(len(ids) * (cfg.rounds - start))
     procs: list[Any] = []
+    frozen = False
     if workers == 1:
         events: Any = queue.Queue()
         inboxes: list[Any] = [queue.Queue()]
@@ -83,6 +85,11 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
         ctx = mp.get_context("fork")
         events = ctx.Queue()
         inboxes = [ctx.Queue() for _ in range(workers)]
+        # Move every object alive now out of the collector's reach (until the run ends): a worker's
+        # full collections would otherwise write to the GC header of each object it inherited, and
+        # copy-on-write duplicates those pages in every worker (~45 MB per worker at 128 peers).
+        gc.freeze()
+        frozen = True
         for w in range(workers):
             p = ctx.Process(target=_worker, args=(w, exp, groups[w], assign, inboxes, events, run_dir, start > 0),
                             name=f"p2pfl-sim-{w}", daemon=True)
@@ -97,6 +104,8 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
+        if frozen:
+            gc.unfreeze()
         run.close()
     drop_generations(run_dir)
     return run.finish(ids, {"workers": workers, "resumed_from_round": start}, rounds_run=cfg.rounds - start)
@@ -145,10 +154,10 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
     torch.set_num_threads(1)
     _one_malloc_arena()
 
-    def forward(msg: Message, remote: list[str]) -> None:
+    def forward(msg: Message, remote: list[str], size: int) -> None:
         idx = None if msg.indices is None else msg.indices.detach().cpu().numpy().tobytes()  # top-k
         wire = (msg.sender, msg.round, msg.step, msg.topology_hash, msg.manifest,
-                msg.flat.detach().cpu().numpy().tobytes(), dict(msg.scalars), msg.compression, idx)
+                msg.flat.detach().cpu().numpy().tobytes(), dict(msg.scalars), msg.compression, idx, size)
         for ww, count in Counter(assign[p] for p in remote).items():
             inboxes[ww].put((wire, count))
 
@@ -159,13 +168,15 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
             item = inboxes[w].get()
             if item is None:
                 return
-            (sender, r, step, th, manifest, raw, scalars, comp, idx), count = item
+            (sender, r, step, th, manifest, raw, scalars, comp, idx, size), count = item
             flat = torch.frombuffer(bytearray(raw), dtype=torch.float32).to(exp.device)
             indices = None if idx is None else torch.frombuffer(bytearray(idx), dtype=torch.int64).to(exp.device)
-            hub.put(Message(sender, r, step, th, manifest, flat, scalars, comp, indices), count)
+            hub.put(Message(sender, r, step, th, manifest, flat, scalars, comp, indices), count, size)
 
     threading.Thread(target=bridge, name=f"bridge-{w}", daemon=True).start()
     models = ModelPool(exp.model_factory, 1)
+    gate = RunGate()  # one peer thread of this worker runs at a time (p2pfl/modelpool.py)
+    rank = {pid: i for i, pid in enumerate(exp.topology.ids)}
 
     def record(rec: dict[str, Any]) -> None:
         events.put(("round", rec))
@@ -174,21 +185,25 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
 
     def run(pid: str) -> None:
         try:
-            node = exp.make_node(pid, transport=MemoryTransport(hub, pid), models=models, record=record,
-                                 run_dir=run_dir)
-            node.on_round = keep_generation(node, exp.cfg.checkpoint_every)
-            # Atomic but not fsynced: a kill of any process loses nothing written (the page cache
-            # keeps it); only an OS crash could tear the latest generation. One fsync per peer per
-            # checkpoint was ~1 s of a 128-peer checkpoint round here (docs/protocol.md).
-            node.durable_checkpoints = False
-            if resume:
-                node.resume()
-            node.deadline_s = SIM_DEADLINE_S
-            node.run()
+            with gate.held((-1, rank[pid])):
+                run_node(pid)
         except BaseException as exc:  # noqa: BLE001 - any failure stops the whole simulation
             failed.set()
             hub.abort(f"peer {pid} failed: {exc!r}")
             events.put(("error", (pid, "".join(traceback.format_exception(exc)))))
+
+    def run_node(pid: str) -> None:
+        node = exp.make_node(pid, transport=MemoryTransport(hub, pid, gate, rank[pid]), models=models,
+                             record=record, run_dir=run_dir)
+        node.on_round = keep_generation(node, exp.cfg.checkpoint_every)
+        # Atomic but not fsynced: a kill of any process loses nothing written (the page cache
+        # keeps it); only an OS crash could tear the latest generation. One fsync per peer per
+        # checkpoint was ~1 s of a 128-peer checkpoint round here (docs/protocol.md).
+        node.durable_checkpoints = False
+        if resume:
+            node.resume()
+        node.deadline_s = SIM_DEADLINE_S
+        node.run()
 
     threads = [threading.Thread(target=run, args=(pid,), name=f"peer-{pid}", daemon=True) for pid in peers]
     for t in threads:

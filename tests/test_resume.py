@@ -139,3 +139,29 @@ def test_background_sweep_stops_on_sigterm_and_leaves_a_resumable_cell(tmp_path:
     assert not (out / "base" / "summary.json").exists()
     cell = plan_cells(load_sweep(sweep))[0]
     assert can_resume(out / "base", cell.config)
+
+
+def test_keep_generation_keeps_the_last_three_of_each_peer_including_a_resumed_runs(tmp_path: Path) -> None:
+    """The hook lists the folder once (a resumed run's generations count), then prunes from memory."""
+    from types import SimpleNamespace
+
+    from p2pfl.resume import GENERATIONS, keep_generation
+
+    ckpt_dir = tmp_path / "checkpoints"
+    gen = ckpt_dir / "gen"
+    gen.mkdir(parents=True)
+    for peer in ("a", "b"):
+        (ckpt_dir / f"{peer}.npz").write_bytes(peer.encode())
+    (gen / "a.r2.npz").write_bytes(b"old")  # left by an earlier (interrupted) run
+    (gen / "b.r2.npz").write_bytes(b"other peer")
+    calls: list[int] = []
+    node = SimpleNamespace(checkpoint_path=ckpt_dir / "a.npz", peer_id="a", rounds=9, on_round=calls.append)
+    hook = keep_generation(node, every=2)
+    assert hook is not None
+    for r in range(2, 9):
+        hook(r)
+    assert calls == list(range(2, 9))  # the node's own hook still runs, after
+    kept = sorted(f.name for f in gen.iterdir())
+    # rounds done 4, 6, 8 and 9 (the last) were linked; the 3 newest of peer a stay; b is untouched
+    assert GENERATIONS == 3
+    assert kept == ["a.r6.npz", "a.r8.npz", "a.r9.npz", "b.r2.npz"]

@@ -209,3 +209,46 @@ def test_simulate_checkpoints_without_fsync_node_with(tmp_path, monkeypatch: pyt
     assert state.round == 2 and meta["record"]["round"] == 1
     checkpoint.save_checkpoint(tmp_path / "n.npz", PeerState("p", torch.zeros(3), {}, {}, 0), torch.Generator())
     assert len(synced) == 1 and os.path.exists(tmp_path / "n.npz")
+
+
+def test_run_gate_lets_one_thread_run_and_serves_waiters_by_priority() -> None:
+    """The simulation's per-worker gate: one holder at a time; a waiter (its own lock) is handed the
+    gate in priority order; `released` lets the others run during a wait and queues again after."""
+    from p2pfl.modelpool import RunGate
+
+    gate = RunGate()
+    active, peak, order = [0], [0], []
+    lock = threading.Lock()
+
+    def enter(tag: str) -> None:
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+            order.append(tag)
+
+    def leave() -> None:
+        with lock:
+            active[0] -= 1
+
+    def peer(i: int) -> None:
+        with gate.held((0, i)):
+            enter(f"start{i}")
+            time.sleep(0.01)
+            leave()
+            with gate.released((1, i)):  # a wait for messages: the others run meanwhile
+                time.sleep(0.05)
+            enter(f"resume{i}")
+            leave()
+
+    with gate.held((-1, 0)):  # hold it until every peer queued, so priorities decide the order
+        threads = [threading.Thread(target=peer, args=(i,), daemon=True) for i in (2, 0, 3, 1)]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        assert order == []
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive()
+    assert peak[0] == 1
+    assert order[:4] == ["start0", "start1", "start2", "start3"]
+    assert sorted(order[4:]) == ["resume0", "resume1", "resume2", "resume3"]

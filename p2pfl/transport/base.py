@@ -7,6 +7,8 @@ What arrived is returned; who was missing is reported, and the Node mixes over w
 
 from __future__ import annotations
 
+import time
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -84,6 +86,10 @@ class Transport(ABC):
     def neighbour_rounds(self, timeout_s: float) -> dict[str, int]:
         """The rounds the reachable neighbours report (Status), for a peer that rejoins."""
         return {}
+
+    def sleep(self, seconds: float) -> None:
+        """Idle for ``seconds`` (a slowed-down peer): a transport whose peers take turns lets the others run."""
+        time.sleep(seconds)
 
     def linger(self, deadline_s: float) -> None:
         """After the last round: keep serving until neighbours got our last payload (default: nothing to do)."""
