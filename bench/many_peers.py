@@ -26,7 +26,29 @@ included; ``peak_rss_mb`` the peak of the process tree's summed RSS (``peak_pss_
 PSS, which counts pages shared after fork once), sampled every 0.2 s by this process. Ratios are
 taken per repeat (side by side) and reported as median and min over repeats.
 
-Figures (2026-11-23, the shared 2-core CPU box at load average 18-21 from other jobs, so wall
+Figures (2026-11-23, later session; the 2-core box quiet: the background reproduction sweep was
+paused with SIGSTOP for each measurement, because a nice-19 job on these 2 vCPUs still halved the
+bench's throughput):
+
+* 128 peers, ``--peers 128 --rounds 6 --repeats 3`` (all three engines), commit f8a61b4:
+  exact/loop wall 1.089x median (min 1.074x), CPU seconds 1.041x (min 1.003x), PSS 1.275x (min
+  1.204x; 1101 vs 864 MB), RSS 1.068x. Steady round: exact 1.52 s, loop 1.39 s, batched 3.82 s
+  (one thread: 2.49x exact on this CPU). Same final accuracy in all three.
+* The same bench at the previous commit (2ad9ca9), same conditions, ``--engines exact,loop``:
+  wall 1.362x (min 1.268x), CPU 1.296x (min 1.212x), PSS 1.468x. What closed it, measured one at a
+  time with ``--repeats 3``/``4``: (1) the worker's peer threads take turns through a ``RunGate``
+  (p2pfl/modelpool.py): CPU 1.28x -> 1.15x, wall 1.33x -> 1.21x; with several peer threads
+  runnable on one core, each GIL release inside a torch op became a thread switch, and training
+  steps cost ~17% more CPU than the same steps in a plain loop; (2) checkpoint generations pruned
+  from the hook's own list instead of listing ``checkpoints/gen/`` (all peers' files) at every
+  peer's checkpoint, quadratic in peers: with (1), CPU 1.02-1.07x, wall 1.03-1.10x; (3) plans of a
+  static topology derived once per peer and wire sizes once per message (~4% and ~2% of a
+  worker's profile), ``gc.freeze()`` before forking the workers (~45 MB less copy-on-write per
+  worker). Left: PSS. The workers' glibc heaps fragment (free-but-held heap grew 95 -> 172 MB over
+  30 rounds in one process, mallinfo2); a ``malloc_trim`` per worker per round moved the peak PSS
+  by 2-3% only and was not kept.
+
+Earlier figures (2026-11-23, the shared 2-core CPU box at load average 18-21 from other jobs, so wall
 times are inflated and noisy; ratios are per repeat, side by side):
 
 * 128 peers, ``--peers 128 --rounds 6 --repeats 2 --engines exact,loop``: exact/loop wall 1.08x
