@@ -252,3 +252,32 @@ def test_run_gate_lets_one_thread_run_and_serves_waiters_by_priority() -> None:
     assert peak[0] == 1
     assert order[:4] == ["start0", "start1", "start2", "start3"]
     assert sorted(order[4:]) == ["resume0", "resume1", "resume2", "resume3"]
+
+
+def test_a_slowed_peer_lets_the_other_peers_of_its_worker_run_while_it_sleeps() -> None:
+    """`network.slowdown` in simulate: the slowed peer's extra time is a sleep without the gate."""
+    from p2pfl.modelpool import RunGate
+    from p2pfl.transport.memory import MemoryTransport
+
+    gate = RunGate()
+    transport = MemoryTransport(MemoryHub(), "p0", gate, rank=0)
+    entered = threading.Event()
+
+    def slow_peer() -> None:
+        with gate.held((0, 0)):
+            transport.sleep(2.0)
+
+    def other_peer() -> None:
+        with gate.held((0, 1)):
+            entered.set()
+
+    a = threading.Thread(target=slow_peer, daemon=True)
+    a.start()
+    time.sleep(0.1)
+    b = threading.Thread(target=other_peer, daemon=True)
+    t0 = time.monotonic()
+    b.start()
+    assert entered.wait(1.5), "the other peer could not run while the slowed peer slept"
+    assert time.monotonic() - t0 < 1.5
+    a.join(5)
+    b.join(5)

@@ -8,7 +8,6 @@ What arrived is returned; who was missing is reported, and the Node mixes over w
 from __future__ import annotations
 
 import time
-
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
