@@ -494,8 +494,11 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         ".venv/bin/python bench/reproduce/results_md.py   # collect finished runs, write results.json/.md + plots",
         "```", "",
         "Each sweep file `bench/reproduce/table1/<graph>-pi<π>.yaml` holds one Table 1 column group: DePRL, DisPFL, "
-        "D-PSGD and the literal DePRL variant, seeds 0, 1, 2; an interrupted cell continues from the last round every "
-        "peer checkpointed (`p2pfl/resume.py`). The code runs from a snapshot of one commit (`runs/reproduce/code-<sha>`). "
+        "D-PSGD and the literal DePRL variant, seeds 0, 1, 2 (Ring π 0.1 is split: `ring-pi0.1.yaml` DePRL, then "
+        "`ring-pi0.1-seed0.yaml` seed 0 of every other method, then `ring-pi0.1-seeds12.yaml`, so that one seed of every "
+        "method lands before more seeds of any); an interrupted cell continues from the last round every "
+        "peer checkpointed (`p2pfl/resume.py`). The code runs from a snapshot of one commit (`runs/reproduce/code-<sha>`); "
+        "results do not depend on which (simulate is bitwise reproducible across these commits, `tests/`). "
         "`ps-ring-pi<π>.yaml` holds the parameter-server baselines of the same partition (cases with `flower:`, run by "
         "`p2pfl flower` on Flower's runtime); they keep no checkpoints, so an interrupted one reruns from round 0.",
         "",
