@@ -26,6 +26,9 @@ def test_difference_within_the_seeds_spread_is_not_distinguishable() -> None:
     assert rmd.distinguishable((90.0, 0.5), (89.2, 0.4)) is False  # 0.8 <= 0.9
     assert rmd.distinguishable((90.0, 0.3), (89.2, 0.4)) is True  # 0.8 > 0.7
     assert rmd.distinguishable((90.0, None), (80.0, 0.1)) is None  # one seed: no spread, no verdict
+    # ... but a difference within the other side's spread alone cannot be told apart
+    assert rmd.distinguishable((89.42, 1.01), (89.39, None)) is False
+    assert rmd.distinguishable((89.0, None), (88.0, None)) is None
     assert rmd.vs_paper(96.5, 0.1, 96.66, 0.2).startswith("not distinguishable")
     assert "outside" in rmd.vs_paper(80.0, 0.5, 96.66, 0.2)
     assert "within the 4-point" in rmd.vs_paper(93.0, 0.5, 96.66, 0.2)

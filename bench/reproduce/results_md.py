@@ -307,10 +307,15 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
 
 
 def distinguishable(a: tuple[float, float | None], b: tuple[float, float | None]) -> bool | None:
-    """|mean_a - mean_b| > std_a + std_b; None when a side has fewer than 2 seeds (no spread known)."""
-    if a[1] is None or b[1] is None:
+    """|mean_a - mean_b| > std_a + std_b. A side with one seed has no spread known: a difference within
+    the other side's spread alone is already not distinguishable (False); a larger one gets no verdict (None)."""
+    known = [s for s in (a[1], b[1]) if s is not None]
+    d = abs(a[0] - b[0])
+    if known and d <= sum(known):
+        return False
+    if len(known) < 2:
         return None
-    return abs(a[0] - b[0]) > a[1] + b[1]
+    return True
 
 
 def vs_paper(mean: float | None, std: float | None, paper: float, spread: float) -> str:
