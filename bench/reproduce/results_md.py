@@ -85,14 +85,20 @@ METHODS = (
     MethodDef("fedavg", "FedAvg", "fedavg", "parameter server (Flower), D-PSGD's local rule"),
     MethodDef("fedrep", "FedRep", "fedrep", "parameter server (Flower), DePRL's local rule (epochs reading)"),
     MethodDef("ditto", "Ditto", "ditto", "parameter server (Flower), FedAvg's local rule + personal model, λ 0.1"),
+    MethodDef("fedrod", "FedRoD", "fedrod", "parameter server (Flower), FedAvg's local rule with the balanced softmax "
+                                             "+ personal head"),
 )
-PS_CASES = ("fedavg", "fedrep", "ditto")
+PS_CASES = ("fedavg", "fedrep", "ditto", "fedrod")
 PERSONALIZED_DITTO = ("personalized: mean over clients of each client's own Ditto model v_k on its own test split "
                       "(drawn with its training label mix), last round")
 #: the metric each method's number is (the papers' own: personalized, except FedAvg's single global model)
-METRIC_OF = {"fedavg": GLOBAL_ON_OWN, "fedrep": PERSONALIZED_PS, "ditto": PERSONALIZED_DITTO}
+PERSONALIZED_FEDROD = ("personalized: mean over clients of the server's final body and generic head plus the "
+                       "client's own personal head (summed logits) on its own test split (drawn with its training "
+                       "label mix), last round")
+METRIC_OF = {"fedavg": GLOBAL_ON_OWN, "fedrep": PERSONALIZED_PS, "ditto": PERSONALIZED_DITTO,
+             "fedrod": PERSONALIZED_FEDROD}
 METRIC_SHORT = {"fedavg": "global model, own split", "fedrep": "own head + global body, own split",
-                "ditto": "own v_k, own split"}  # others: each peer's own model on its own split
+                "ditto": "own v_k, own split", "fedrod": "global + own personal head, own split"}  # others: each peer's own model on its own split
 MAIN = ("dpsgd", "dispfl", "deprl-epochs")  # the 27 cells of Table 1, paper order
 
 #: DePRL Table 1, Fashion-MNIST (AlexNet) rows, 128 workers, mean ± spread over 4 seeds (spec 004 §4).
@@ -139,7 +145,8 @@ _SPLIT = {("ring", 0.1): ("ring-pi0.1", "ring-pi0.1-seed0", "ring-pi0.1-seeds12"
 SWEEPS = tuple(SweepDef(_SPLIT.get((g, pi), (f"{g}-pi{pi}",)), "deprl-t1", g, pi) for g, _ in GRAPHS for pi in PIS) + (
     SweepDef(("smoke-ring-pi0.1", "smoke-ring-pi0.1-seeds12"), "deprl-t1-smoke", "ring", 0.1),
 ) + tuple(SweepDef((f"ps-ring-pi{pi}",), "deprl-t7", "ring", pi) for pi in PIS) + (
-    SweepDef(("ps-smoke-ring-pi0.1", "ps-smoke-ring-pi0.1-ditto"), "deprl-t7-smoke", "ring", 0.1),
+    SweepDef(("ps-smoke-ring-pi0.1", "ps-smoke-ring-pi0.1-ditto", "ps-smoke-ring-pi0.1-fedrod"), "deprl-t7-smoke",
+             "ring", 0.1),
 )
 
 #: The other papers' claims: planned at 3 seeds with the papers' metrics; not run yet at that protocol.
@@ -152,9 +159,6 @@ CLAIMS = (
      "paper": "87.67 / 86.50 / 82.60 / 63.20 (CIFAR-10 Dir 0.3, ResNet-18; spec 000 §5 Table 2)"},
     {"table": "dfedpgp-t6", "method": "DFedPGP > DFedAvgM", "metric": PERSONALIZED,
      "paper": "49.16 vs 41.94 (Tiny-ImageNet Path-10; spec 001 §4 Table 6)"},
-    {"table": "deprl-t7", "method": "FedRoD (parameter server) under Ring", "metric": PERSONALIZED,
-     "paper": "DePRL Table 7 (spec 004 §4): Fashion-MNIST FedRoD 95.93 / 92.29 / 90.92 (π 0.1 / 0.3 / 0.5); "
-              "not implemented here (FedAvg, FedRep and Ditto are: table deprl-t7)"},
 )
 
 
@@ -434,7 +438,7 @@ def plot(cells: list[dict[str, Any]], title: str, out: Path) -> Path | None:
 def table7_section(cells: list[dict[str, Any]]) -> list[str]:
     """DePRL Table 7 (Ring): the PS baselines run on Flower beside the decentralized Ring cells, ours / paper."""
     doc = ["## DePRL Table 7 (Ring, Fashion-MNIST): parameter-server baselines on Flower, same partition", "",
-           "FedAvg, FedRep and Ditto run through Flower (`p2pfl flower`: Flower's `FedAvg` strategy, "
+           "FedAvg, FedRep, Ditto and FedRoD run through Flower (`p2pfl flower`: Flower's `FedAvg` strategy, "
            "`flwr.simulation.run_simulation` with the Ray backend; each run's `summary.json` records the runtime "
            "that ran) on the same 128 clients, partition, batch, model and initial weights as the Ring cells; "
            "every client takes part in every round. \"Ring\" means only the same partition: a server has no graph. "
@@ -445,7 +449,10 @@ def table7_section(cells: list[dict[str, Any]]) -> list[str]:
            "λ = 0.1 (the spec gives none: our choice). Metrics: **FedAvg = the global model on each client's own "
            "test split**; **FedRep = each client's own model (own head + global body) on its own split**; "
            "**Ditto = each client's personal model v_k on its own split**; the decentralized columns as in "
-           "Table 1. FedRoD is not implemented (paper value shown).", ""]
+           "Table 1. FedRoD (`p2pfl/flower/fedrod.py`) = FedAvg's rule for the body and generic head with the "
+           "balanced softmax (CE on logits + log of the client's label counts), plus a personal head trained each "
+           "step with CE on the summed logits (body and generic head held fixed); **FedRoD = the global model with "
+           "head generic + the client's personal head, on its own split**.", ""]
     ps = {(c["case"], c["pi"]): c for c in cells if c["table"] == "deprl-t7"}
     ring = {(c["case"], c["pi"]): c for c in cells if c["table"] == "deprl-t1" and c["graph"] == "ring"}
     rows = []
@@ -454,7 +461,7 @@ def table7_section(cells: list[dict[str, Any]]) -> list[str]:
         for m, _ in PS_METHODS:
             paper, spread = DEPRL_PAPER[("ring", m, pi)]
             c = ps.get((m, pi))
-            row.append(f"{fmt(c) if c else 'not implemented'} / {paper:.2f}±{spread:g}")
+            row.append(f"{fmt(c) if c else NOT_RUN} / {paper:.2f}±{spread:g}")
         for case in MAIN:
             c = ring[(case, pi)]
             row.append(f"{fmt(c)} / {c['paper']:.2f}±{c['paper_spread']:g}")

@@ -24,6 +24,7 @@ ALGORITHMS: dict[str, str] = {
     "dfedpgp": "p2pfl.algorithms.dfedpgp:DFedPGP",
     "dispfl": "p2pfl.algorithms.dispfl:DisPFL",
     "ditto": "p2pfl.flower.ditto:Ditto",  # a parameter-server local rule (p2pfl flower --baseline ditto)
+    "fedrod": "p2pfl.flower.fedrod:FedRoD",  # a parameter-server local rule (p2pfl flower --baseline fedrod)
 }
 
 

@@ -141,6 +141,11 @@ class PeerData:
             rows = self._test_idx[start : start + batch_size]
             yield torch.index_select(self._test_x, 0, rows), torch.index_select(self._test_y, 0, rows)
 
+    def train_label_counts(self) -> torch.Tensor:
+        """How many of this peer's training samples have each label (int64, ``[num_classes]``, on ``device``)."""
+        labels = torch.index_select(self._train_y, 0, self._train_idx)
+        return torch.bincount(labels.long(), minlength=self.num_classes)
+
     @property
     def train_indices(self) -> np.ndarray:
         """This peer's train indices into the shared train set (read-only)."""

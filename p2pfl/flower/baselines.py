@@ -1,4 +1,4 @@
-"""Centralized baselines on Flower's own runtime: FedAvg, FedPer, FedRep and Ditto.
+"""Centralized baselines on Flower's own runtime: FedAvg, FedPer, FedRep, Ditto and FedRoD.
 
 Why: a decentralized run is only judged fairly against a server run on the very same data
 partition, models, initial weights and local update rule, so that a difference in accuracy is
@@ -14,6 +14,9 @@ fedper      the shared body; heads stay on the nodes  one joint pass (local, dfe
 fedrep      the shared body; heads stay on the nodes  head phase then body phase (deprl, ...)
 ditto       the whole (global) model; each node also  global update, then the personal model's
             keeps a personal model, the one evaluated proximal update (``p2pfl.flower.ditto``)
+fedrod      the body and the generic head; each node   balanced-softmax step of body + generic
+            also keeps a personal head, evaluated as  head, CE step of the personal head
+            generic + personal head                   (``p2pfl.flower.fedrod``)
 ==========  ========================================  ==========================================
 
 Runtime: ``flwr.simulation.run_simulation`` with the Ray backend (``flwr[simulation]``). Where
@@ -87,6 +90,9 @@ class Baseline:
     #: the ``PeerState.extra`` tensor (a whole model, flat) each node is evaluated with; None: the
     #: received model (with the node's own head for scope "shared")
     evaluate_extra: str | None = None
+    #: the ``PeerState.extra`` tensor (a head, flat) added to the received model's head to evaluate a
+    #: node (FedRoD: generic head + personal head = the sum of their logits; the head is linear)
+    evaluate_head_addend: str | None = None
 
 
 BASELINES: dict[str, Baseline] = {
@@ -94,6 +100,7 @@ BASELINES: dict[str, Baseline] = {
     "fedper": Baseline("fedper", "shared", (*JOINT, APP)),
     "fedrep": Baseline("fedrep", "shared", ALTERNATING),
     "ditto": Baseline("ditto", "all", ("ditto",), evaluate_extra="ditto_personal"),
+    "fedrod": Baseline("fedrod", "all", ("fedrod",), evaluate_head_addend="fedrod_head"),
 }
 
 
@@ -278,13 +285,20 @@ class BaselinePeers:
         }), reply_to=msg)
 
     def evaluate(self, msg: Message, context: Context) -> Message:
-        """The global model (FedAvg), global body + own head (FedPer/FedRep) or the node's personal model
-        (Ditto) on the node's own test split."""
+        """The global model (FedAvg), global body + own head (FedPer/FedRep), the node's personal model
+        (Ditto) or the global model with its head plus the node's personal head (FedRoD) on the node's
+        own test split."""
         torch.set_num_threads(1)
         peer = self.peer_of(context)
         flat = self._received(msg)
         extra = BASELINES[self.baseline].evaluate_extra
-        if extra is not None:
+        addend = BASELINES[self.baseline].evaluate_head_addend
+        if addend is not None:
+            rec = context.state.array_records.get(STATE_EXTRA)
+            if rec is None or addend not in rec:
+                raise FlowerPeerError(f"peer {peer.peer_id}: no {addend} to evaluate (evaluate before any train)")
+            flat[self.exp.layout.num_shared:].add_(tensor_of(rec[addend]).reshape(-1).to(flat.device))
+        elif extra is not None:
             rec = context.state.array_records.get(STATE_EXTRA)
             if rec is None or extra not in rec:
                 raise FlowerPeerError(f"peer {peer.peer_id}: no {extra} to evaluate (evaluate before any train)")

@@ -16,7 +16,8 @@ def flower_command(config: ConfigOpt, rounds: Annotated[int | None, typer.Option
                    baseline: Annotated[str, typer.Option(
                        help="fedavg (whole model averaged) | fedper (body averaged, joint local rule) | "
                             "fedrep (body averaged, head-then-body local rule) | "
-                            "ditto (global model averaged; each node's personal model evaluated)")] = "fedper",
+                            "ditto (global model averaged; each node's personal model evaluated) | "
+                            "fedrod (body + generic head averaged; generic + personal head evaluated)")] = "fedper",
                    runtime: Annotated[str, typer.Option(
                        help="auto (Ray when installed) | ray (flwr.simulation.run_simulation) | in-process")] = "auto",
                    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no summary table")] = False,
