@@ -467,6 +467,11 @@ def _check_robust_and_wire(parsed: ConfigFile, algo: dict[str, Any], topology_pa
         if parsed.wire.compression != "none":
             raise ConfigError("simulation.engine batched does not model the wire; use engine exact",
                               key="wire.compression")
+        from p2pfl.algorithms import ALGORITHMS, algorithm_class
+
+        if name in ALGORITHMS and not algorithm_class(name).batched:
+            raise ConfigError(f"simulation.engine batched does not run {name} (its local rule has its own loss, "
+                              "written for one peer); use engine exact", key="simulation.engine")
     if parsed.wire.compression == "topk" and (mode == "push" or name == "dispfl"):
         why = ("push-sum must deliver its whole mass" if mode == "push"
                else "dispfl's masks are bit tensors, and its masked averaging needs every held coordinate")

@@ -30,7 +30,7 @@ from p2pfl.simulation import simulate
 from p2pfl.topology import generate
 from tests.conftest import tiny_config
 
-CASES = [(name, {}) for name in sorted(ALGORITHMS)] + [("dfedpgp", {"mix_mode": "push"})]
+CASES = [(name, {}) for name in sorted(ALGORITHMS) if algorithm_class(name).batched] + [("dfedpgp", {"mix_mode": "push"})]
 LIGHT = {"local_epochs": 1, "body_local": 1}
 DATA = {"dataset": "synthetic", "partition": {"kind": "dirichlet_per_class", "pi": 0.5}, "batch_size": 16,
         "params": {"num_classes": 4, "train_size": 400, "test_size": 200, "shape": [1, 8, 8], "seed": 1}}
@@ -155,3 +155,18 @@ def test_engine_key_is_checked(tmp_path: Path) -> None:
     path = tiny_config(tmp_path, simulation={"workers": 1, "engine": "vectorized"})
     with pytest.raises(ConfigError, match="engine"):
         load_config(path)
+
+
+def test_a_rule_written_for_one_peer_is_refused_by_the_batched_engine_before_it_runs(tmp_path: Path) -> None:
+    """FedRoD's own losses run through the exact engine only: the batched engine says so in one line."""
+    from p2pfl.engine.batched import BatchedEngineError, BatchedSimulation
+    from p2pfl.experiment import Experiment
+
+    assert not algorithm_class("fedrod").batched and algorithm_class("ditto").batched
+    with pytest.raises(ConfigError, match="does not run fedrod.*use engine exact"):
+        _run(tmp_path, {"name": "fedrod"}, "batched", False)
+    assert not (tmp_path / "batched" / "run").exists()  # refused before anything is written
+    # the engine itself refuses it too (an Experiment built without the config check)
+    exp = Experiment.from_config(load_config(_config(tmp_path, {"name": "fedrod"}, "exact", push=False)))
+    with pytest.raises(BatchedEngineError, match="does not run 'fedrod'.*use engine 'exact'"):
+        BatchedSimulation(exp, None, lambda rec: None)

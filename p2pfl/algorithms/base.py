@@ -99,6 +99,9 @@ class Algorithm(ABC):
     name: ClassVar[str]
     shares: ClassVar[str] = "shared"
     defaults: ClassVar[dict[str, Any]] = {}
+    #: whether ``local_update`` is written over ``TrainContext.train``/``gradients`` only, so that the
+    #: batched engine can run it on stacked peers (False: a rule with its own loss, exact engine only)
+    batched: ClassVar[bool] = True
     #: ``mixing.*``: the robust rule ``combine`` mixes with (none: the plain weighted sum); set by the Experiment.
     mixing: MixingRule = MixingRule()
 

@@ -89,6 +89,9 @@ class BatchedSimulation:
             raise BatchedEngineError("simulation.engine 'batched' applies neither wire.compression nor "
                                      "faults.byzantine; use engine 'exact'")
         self.algorithm: Algorithm = nodes[0].algorithm
+        if not type(self.algorithm).batched:
+            raise BatchedEngineError(f"simulation.engine 'batched' does not run {self.algorithm.name!r} (its local rule "
+                                     "has its own loss, written for one peer); use engine 'exact'")
         self.topology_hash = self.topology.hash()
         self.chunk_bytes = int(self.cfg.network.chunk_kb) * 1024
         self.generators = [n.generator for n in nodes]

@@ -45,6 +45,7 @@ class FedRoD(Algorithm):
     name = "fedrod"
     shares = "all"
     defaults: ClassVar[dict[str, Any]] = {"lr": 0.1, "lr_decay": 0.998, "weight_decay": 5e-4, "local_epochs": 1}
+    batched = False  # its own losses through ``run_sgd``: the exact engine (and the Flower baseline) only
 
     def init_state(self, state: PeerState, generator: torch.Generator) -> None:
         numel = self.layout.numel - self.layout.num_shared  # the head's size
