@@ -176,7 +176,6 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
     threading.Thread(target=bridge, name=f"bridge-{w}", daemon=True).start()
     models = ModelPool(exp.model_factory, 1)
     gate = RunGate()  # one peer thread of this worker runs at a time (p2pfl/modelpool.py)
-    rank = {pid: i for i, pid in enumerate(exp.topology.ids)}
 
     def record(rec: dict[str, Any]) -> None:
         events.put(("round", rec))
@@ -185,7 +184,7 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
 
     def run(pid: str) -> None:
         try:
-            with gate.held((-1, rank[pid])):
+            with gate.held((-1, exp.topology.index(pid))):
                 run_node(pid)
         except BaseException as exc:  # noqa: BLE001 - any failure stops the whole simulation
             failed.set()
@@ -193,7 +192,7 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
             events.put(("error", (pid, "".join(traceback.format_exception(exc)))))
 
     def run_node(pid: str) -> None:
-        node = exp.make_node(pid, transport=MemoryTransport(hub, pid, gate, rank[pid]), models=models,
+        node = exp.make_node(pid, transport=MemoryTransport(hub, pid, gate, exp.topology.index(pid)), models=models,
                              record=record, run_dir=run_dir)
         node.on_round = keep_generation(node, exp.cfg.checkpoint_every)
         # Atomic but not fsynced: a kill of any process loses nothing written (the page cache

@@ -34,3 +34,27 @@ def tiny_config(tmp_path: Path, *, peers: int = 4, rounds: int = 3, algorithm: d
 @pytest.fixture
 def tiny(tmp_path: Path) -> Path:
     return tiny_config(tmp_path)
+
+
+def train_then_evaluate_one_client(cfg: Any, exp: Any, baseline: str) -> tuple[Any, Any, Any]:
+    """One Flower baseline client (``p2``) by hand: a train then an evaluate instruction, both carrying
+    the initial model at server round 1. Returns (the BaselinePeers, the client's Context, the
+    evaluate reply's metrics)."""
+    import json
+
+    from flwr.app import ConfigRecord, Context, MessageType, RecordDict
+
+    from p2pfl.flower.baselines import BaselinePeers, initial_arrays
+    from p2pfl.flower.records import instruction
+
+    peers = BaselinePeers(json.loads(json.dumps(cfg.raw)), baseline)
+    ctx = Context(run_id=7, node_id=2, node_config={"peer-id": "p2"}, state=RecordDict(), run_config={})
+    arrays = initial_arrays(exp, "all")
+
+    def message(kind: str) -> Any:
+        return instruction(RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": 1})}), kind,
+                           run_id=7, src_node_id=1, dst_node_id=2, message_id=f"m-{kind}")
+
+    peers.train(message(MessageType.TRAIN), ctx)
+    reported = peers.evaluate(message(MessageType.EVALUATE), ctx).content.metric_records["metrics"]
+    return peers, ctx, reported

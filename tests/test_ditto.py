@@ -15,17 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from p2pfl.algorithms import TrainContext
 from p2pfl.config import load_config
 from p2pfl.experiment import Experiment
-from p2pfl.flower.baselines import BaselinePeers, baseline_of, initial_arrays, run_baseline
+from p2pfl.flower.baselines import baseline_of, run_baseline
 from p2pfl.flower.ditto import PERSONAL
-from p2pfl.flower.records import instruction
 from p2pfl.modelpool import ModelPool
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, train_then_evaluate_one_client
 
 DITTO = {"name": "ditto", "lr": 0.05, "lr_decay": 0.9, "weight_decay": 1e-3, "local_epochs": 1,
          "personal_epochs": 1, "lam": 0.5}
@@ -91,16 +89,7 @@ def test_ditto_baseline_averages_w_and_evaluates_each_clients_personal_model(tmp
     assert [(r["round"], r["peer"]) for r in recs] == [(r, p) for r in range(2) for p in exp.topology.ids]
 
     # One client by hand: after a train, evaluate reports v_k on its split, not the received global model.
-    peers = BaselinePeers(json.loads(json.dumps(cfg.raw)), "ditto")
-    ctx = Context(run_id=7, node_id=2, node_config={"peer-id": "p2"}, state=RecordDict(), run_config={})
-    arrays = initial_arrays(exp, "all")
-
-    def message(kind: str) -> Message:
-        return instruction(RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": 1})}), kind,
-                           run_id=7, src_node_id=1, dst_node_id=2, message_id=f"m-{kind}")
-
-    peers.train(message(MessageType.TRAIN), ctx)
-    reported = peers.evaluate(message(MessageType.EVALUATE), ctx).content.metric_records["metrics"]
+    peers, ctx, reported = train_then_evaluate_one_client(cfg, exp, "ditto")
     v = torch.cat([torch.as_tensor(a.numpy()).reshape(-1)
                    for a in ctx.state.array_records["p2pfl.extra"].values()])
     data = peers.peer_of(ctx).app

@@ -14,17 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from p2pfl.algorithms import TrainContext
 from p2pfl.config import load_config
 from p2pfl.experiment import Experiment
-from p2pfl.flower.baselines import BaselinePeers, baseline_of, initial_arrays, run_baseline
+from p2pfl.flower.baselines import baseline_of, run_baseline
 from p2pfl.flower.fedrod import PERSONAL_HEAD
-from p2pfl.flower.records import instruction
 from p2pfl.modelpool import ModelPool
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, train_then_evaluate_one_client
 
 FEDROD = {"name": "fedrod", "lr": 0.05, "lr_decay": 0.9, "weight_decay": 1e-3, "local_epochs": 1}
 
@@ -100,16 +98,7 @@ def test_fedrod_baseline_averages_body_and_generic_head_and_evaluates_generic_pl
     assert all(math.isfinite(r["acc"]) for r in recs)
 
     # One client by hand: after a train, evaluate reports the received model with head g + p on its split.
-    peers = BaselinePeers(json.loads(json.dumps(cfg.raw)), "fedrod")
-    ctx = Context(run_id=7, node_id=2, node_config={"peer-id": "p2"}, state=RecordDict(), run_config={})
-    arrays = initial_arrays(exp, "all")
-
-    def message(kind: str) -> Message:
-        return instruction(RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": 1})}), kind,
-                           run_id=7, src_node_id=1, dst_node_id=2, message_id=f"m-{kind}")
-
-    peers.train(message(MessageType.TRAIN), ctx)
-    reported = peers.evaluate(message(MessageType.EVALUATE), ctx).content.metric_records["metrics"]
+    peers, ctx, reported = train_then_evaluate_one_client(cfg, exp, "fedrod")
     p = torch.as_tensor(ctx.state.array_records["p2pfl.extra"][PERSONAL_HEAD].numpy()).reshape(-1)
     data = peers.peer_of(ctx).app
     model = exp.model_factory()

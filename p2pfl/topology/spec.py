@@ -46,7 +46,15 @@ from .mixing import (
     uniform_pull_sparse,
     uniform_push_sparse,
 )
-from .schedule import SCHEDULE_KINDS, MixingPlan, Schedule, check_mode, plan_from_matrix, random_sparse
+from .schedule import (
+    SCHEDULE_KINDS,
+    MixingPlan,
+    Schedule,
+    _check_counter,
+    check_mode,
+    plan_from_matrix,
+    random_sparse,
+)
 
 __all__ = [
     "ExplicitWeights",
@@ -245,8 +253,7 @@ class Topology:
         # A static graph's plan is the same every (round, step): derive it once per peer and mode.
         # (Deriving it each step was ~4% of a 128-peer simulation worker's CPU.)
         for name, value in (("round", round), ("step", step), ("seed", seed)):
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+            _check_counter(name, value)
         d = self._derived
         hit = d.plans.get((i, mode))
         if hit is None:
@@ -259,8 +266,7 @@ class Topology:
         """Cached, read-only matrix for (round, step, seed, mode)."""
         check_mode(mode)
         for name, value in (("round", round), ("step", step), ("seed", seed)):
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+            _check_counter(name, value)
         key: tuple[Any, ...] = (mode,) if self.schedule is None else (mode, int(round), int(step), int(seed))
         d = self._derived
         with d.lock:
