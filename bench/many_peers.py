@@ -388,6 +388,11 @@ ENGINES: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
 
 
 def child_main(args: argparse.Namespace) -> None:
+    # As `p2pfl simulate` starts: the package's process defaults before torch loads (p2pfl/__init__),
+    # then one malloc arena before any thread (this child's RoundWatcher) could create another.
+    from p2pfl.simulation import one_malloc_arena
+
+    one_malloc_arena()
     with tempfile.TemporaryDirectory(prefix="p2pfl-many-") as tmp:
         res = ENGINES[args.child](args, Path(tmp))
     print("RESULT " + json.dumps(res), flush=True)

@@ -161,8 +161,10 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
     """Run every peer of CONFIG in one process (in-memory transport) and write a run folder."""
     _setup_logging(verbose)
     cfg = _load(config, set, rounds)
+    from p2pfl.simulation import one_malloc_arena
     from p2pfl.simulation import simulate as run_sim
 
+    one_malloc_arena()  # before the progress bar's thread, so the forked workers inherit one arena
     run_dir = out or default_run_dir(cfg.name, cfg.algorithm_name)
     with _making(run_dir, config):
         summary = run_sim(cfg, run_dir, progress=not quiet, resume=resume)

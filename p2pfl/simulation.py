@@ -130,12 +130,17 @@ def _collect(events: Any, run: RunFolder, workers: int, procs: list) -> None:
             finished += 1
 
 
-def _one_malloc_arena() -> None:
-    """Make this worker's threads share one glibc malloc arena.
+def one_malloc_arena() -> None:
+    """Make this process's threads share one glibc malloc arena (a no-op off glibc).
 
     Each of a worker's peer threads would otherwise get an arena of its own (up to 8 per core),
     each keeping the freed activations of the evaluations it ran: about 200 MB more per worker at
-    64 peers, measured. Only one peer computes at a time (the model pool), so they do not contend.
+    64 peers, measured. Only one peer computes at a time (the run gate), so they do not contend.
+
+    Call it in the process that forks the workers too, before it starts any thread (`p2pfl
+    simulate` does, before its progress bar): an arena a thread of the parent created is
+    inherited by every worker, and glibc hands it out to the worker's threads in turn whatever
+    the limit says, so half of each worker's peers allocated from a second, fragmenting heap.
     """
     import ctypes
     import sys
@@ -152,7 +157,7 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
             run_dir: Path, resume: bool = False) -> None:
     """Run the Nodes of ``peers`` (threads), bridging messages to and from the other workers."""
     torch.set_num_threads(1)
-    _one_malloc_arena()
+    one_malloc_arena()
 
     def forward(msg: Message, remote: list[str], size: int) -> None:
         idx = None if msg.indices is None else msg.indices.detach().cpu().numpy().tobytes()  # top-k

@@ -281,3 +281,62 @@ def test_a_slowed_peer_lets_the_other_peers_of_its_worker_run_while_it_sleeps() 
     assert time.monotonic() - t0 < 1.5
     a.join(5)
     b.join(5)
+
+
+_PER_THREAD_PROBE = r"""
+import ctypes, os, sys, threading
+first = sys.argv[1]
+if first == "p2pfl":
+    import p2pfl  # noqa: F401 - its process defaults, before torch loads
+import torch
+import p2pfl  # noqa: F401,F811
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+p2pfl_sim = __import__("p2pfl.simulation", fromlist=["one_malloc_arena"])
+p2pfl_sim.one_malloc_arena()
+torch.set_num_threads(1)
+layer, x = torch.nn.Linear(512, 128), torch.randn(16, 512)
+turn, done = threading.Lock(), threading.Event()
+
+def peer():  # one peer thread's step, then it stays alive (as peers do between rounds)
+    with turn:
+        layer(x).sum().backward()
+        layer.zero_grad(set_to_none=True)
+    done.wait()
+
+peer_ = threading.Thread(target=peer); peer_.start(); peer_.join(0.2)  # warm-up thread
+before = libc.mallinfo2().uordblks
+threads = [threading.Thread(target=peer) for _ in range(32)]
+for t in threads:
+    t.start()
+while turn.locked() or any(not t.is_alive() for t in threads):
+    pass
+import time; time.sleep(0.3)
+print(os.environ.get("MKL_DISABLE_FAST_MM"), (libc.mallinfo2().uordblks - before) / 32 / 1024)
+done.set()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
+def test_importing_p2pfl_before_torch_drops_mkls_per_thread_buffer_cache() -> None:
+    """A worker runs one thread per peer; MKL's fast memory manager kept ~1 MB per thread that ran a GEMM."""
+
+    def per_thread_kb(first: str) -> tuple[str, float]:
+        env = {k: v for k, v in __import__("os").environ.items() if k != "MKL_DISABLE_FAST_MM"}
+        out = subprocess.run([sys.executable, "-c", _PER_THREAD_PROBE, first], capture_output=True, text=True,
+                             timeout=100, env=env, check=True).stdout.split()
+        return out[0], float(out[1])
+
+    flag, kb = per_thread_kb("p2pfl")
+    assert flag == "1"
+    assert kb < 250, f"{kb:.0f} KB kept per peer thread after a GEMM"
+    if torch.backends.mkl.is_available():  # the control: torch loaded first keeps MKL's default cache
+        flag, kb_default = per_thread_kb("torch")
+        assert flag == "1"  # set, but after MKL read it
+        assert kb_default > kb + 300, (kb_default, kb)
