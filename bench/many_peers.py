@@ -26,6 +26,29 @@ included; ``peak_rss_mb`` the peak of the process tree's summed RSS (``peak_pss_
 PSS, which counts pages shared after fork once), sampled every 0.2 s by this process. Ratios are
 taken per repeat (side by side) and reported as median and min over repeats.
 
+Figures (2026-11-23, fourth session; sweep paused as below). Memory, commit dd0d421: two causes of the
+PSS gap found and removed. (1) MKL's fast memory manager keeps a GEMM buffer cache per thread
+(~1 MB after a linear layer's backward pass, measured with mallinfo2 over 32 idle threads; 60 KB
+without it), and a worker runs one thread per peer: importing p2pfl now sets MKL_DISABLE_FAST_MM=1
+before torch loads (a step loop measured no CPU cost: 7.0-7.9 s with, 7.7-8.1 s without, 3 pairs).
+A/B, ``--rounds 6 --repeats 3 --engines exact,loop``: PSS 1.278x -> 1.147x (1087 -> 964 MB).
+(2) A thread of the forking process (this bench's RoundWatcher; `p2pfl simulate`'s progress bar)
+created a second malloc arena before the fork; glibc hands an inherited arena to a worker's new
+threads in turn whatever M_ARENA_MAX says, so half of each worker's peers allocated from a second
+heap (63 MB of it dirty for 19 MB of live tensors). ``one_malloc_arena`` now runs in the forking
+process before any thread (the CLI; this bench's child does the same): PSS 1.265x -> 1.241x alone.
+Both, all three engines, ``--rounds 6 --repeats 4``: PSS **1.075x** median (min 1.014x; 927 vs 867
+MB), RSS 0.99x. Time is unchanged by them and noisy: wall 1.22x (min 1.04x), CPU 1.16x (0.985x);
+``--repeats 6 --engines exact,loop``: wall 1.125x (1.048x), CPU 1.094x (1.033x), PSS 1.083x.
+At the protocol's own length, ``--rounds 10 --repeats 3 --engines exact,loop`` (one checkpoint,
+every 10 rounds): wall **1.219x** (min 1.206x), CPU 1.158x (1.148x), PSS 1.074x: the 6-round
+figures below understate the per-round framework cost. A py-spy profile of the workers (24 rounds,
+evaluation only at the end) puts training at 85% of busy samples and the framework at the rest:
+the exchange ~7% (waking readers through the board's events ~2.6%, handing the run gate over
+~2%, sizes ~1%), checkpoint/records/plans ~2%, the bridge ~1%. Next step, not done: let the gate
+wake a reader only when its messages are all present and it is its turn (today a reader wakes on
+its messages, then waits again for the gate: two switches where one would do).
+
 Figures (2026-11-23, later session; the 2-core box quiet: the background reproduction sweep was
 paused with SIGSTOP for each measurement, because a nice-19 job on these 2 vCPUs still halved the
 bench's throughput):
