@@ -29,12 +29,24 @@ HEADER_BYTES = 64  # the batched engine's fixed per-message header estimate (thi
 
 
 
+class _Reader:
+    """A reader waiting for several keys: woken once, when the last of them is stored."""
+
+    __slots__ = ("event", "missing")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.missing = 0
+
+
 class MemoryHub:
     """The board all in-memory transports of one simulation share.
 
-    A reader waiting for keys registers an event under each missing key; storing a message wakes
-    the readers of that key only. (One condition notified on every store woke all of a worker's
-    peer threads for each message, and each went back to sleep: a herd of futile wake-ups.)
+    A reader waiting for keys registers under each missing key and counts them; storing a
+    message counts down its readers and wakes those that now have everything. (One condition
+    notified on every store woke all of a worker's peer threads for each message, a herd of futile
+    wake-ups; waking a reader per message still woke a ring peer twice per exchange, once to find
+    its other neighbour missing: each wake-up is a thread switch the GIL makes costly.)
     """
 
     def __init__(self, local_peers: set[str] | None = None,
@@ -44,7 +56,7 @@ class MemoryHub:
         self._lock = threading.Lock()
         # key -> (message, local reads left, its wire size: computed once, by the publisher)
         self._board: dict[tuple[str, int, int], tuple[Message, int, int]] = {}
-        self._waiters: dict[tuple[str, int, int], list[threading.Event]] = {}
+        self._waiters: dict[tuple[str, int, int], list[_Reader]] = {}
         self._aborted: str | None = None
 
     def publish(self, message: Message, readers: list[str], size: int | None = None) -> None:
@@ -68,11 +80,15 @@ class MemoryHub:
         key = (message.sender, message.round, message.step)
         if size is None:
             size = wire_size(message)
+        ready = []
         with self._lock:
             self._board[key] = (message, count, size)
-            waiters = self._waiters.pop(key, ())
-        for ev in waiters:
-            ev.set()
+            for reader in self._waiters.pop(key, ()):
+                reader.missing -= 1
+                if reader.missing <= 0:
+                    ready.append(reader)
+        for reader in ready:
+            reader.event.set()
 
     def take(self, keys: list[tuple[str, int, int]], deadline: float,
              sizes: dict[str, int] | None = None) -> dict[str, Message]:
@@ -82,11 +98,13 @@ class MemoryHub:
         not size every message again (building its header was ~2% of a worker's CPU).
         """
         out: dict[str, Message] = {}
-        ev: threading.Event | None = None
+        reader: _Reader | None = None
+        registered: list[tuple[str, int, int]] = []
         while True:
             with self._lock:
                 if self._aborted:
                     raise TransportError(f"simulation aborted: {self._aborted}")
+                self._forget(reader, registered)
                 missing = []
                 for key in keys:
                     if key[0] in out:
@@ -106,26 +124,24 @@ class MemoryHub:
                     return out
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._forget(ev, missing)
                     return out
-                if ev is None:
-                    ev = threading.Event()
-                else:
-                    ev.clear()
+                if reader is None:
+                    reader = _Reader()
+                reader.event.clear()
+                reader.missing = len(missing)
                 for key in missing:
-                    lst = self._waiters.setdefault(key, [])
-                    if ev not in lst:
-                        lst.append(ev)
-            ev.wait(timeout=min(remaining, 1.0))
+                    self._waiters.setdefault(key, []).append(reader)
+                registered = missing
+            reader.event.wait(timeout=min(remaining, 1.0))
 
-    def _forget(self, ev: threading.Event | None, keys: list[tuple[str, int, int]]) -> None:
-        """Unregister ``ev`` from ``keys`` (a reader that gave up); call with the lock held."""
-        if ev is None:
+    def _forget(self, reader: _Reader | None, keys: list[tuple[str, int, int]]) -> None:
+        """Unregister ``reader`` from those of ``keys`` not stored yet; call with the lock held."""
+        if reader is None:
             return
         for key in keys:
             lst = self._waiters.get(key)
-            if lst and ev in lst:
-                lst.remove(ev)
+            if lst and reader in lst:
+                lst.remove(reader)
                 if not lst:
                     del self._waiters[key]
 
@@ -133,10 +149,10 @@ class MemoryHub:
         """Wake every waiter with an error (a peer thread failed)."""
         with self._lock:
             self._aborted = reason
-            waiters = [ev for lst in self._waiters.values() for ev in lst]
+            waiters = {id(r): r for lst in self._waiters.values() for r in lst}
             self._waiters.clear()
-        for ev in waiters:
-            ev.set()
+        for reader in waiters.values():
+            reader.event.set()
 
     def __len__(self) -> int:
         with self._lock:
