@@ -47,7 +47,10 @@ evaluation only at the end) puts training at 85% of busy samples and the framewo
 the exchange ~7% (waking readers through the board's events ~2.6%, handing the run gate over
 ~2%, sizes ~1%), checkpoint/records/plans ~2%, the bridge ~1%. Next step, not done: let the gate
 wake a reader only when its messages are all present and it is its turn (today a reader wakes on
-its messages, then waits again for the gate: two switches where one would do).
+its messages, then waits again for the gate: two switches where one would do). Done instead: the
+board wakes a reader once, when the last of its messages arrives (a ring peer was woken twice per
+exchange); after it, same command: wall **1.151x** (min 1.149x), CPU **1.121x** (1.103x), PSS 1.103x
+(exact 1.07 s/round, loop 0.87 s/round), against 1.219x / 1.158x just before.
 
 Figures (2026-11-23, later session; the 2-core box quiet: the background reproduction sweep was
 paused with SIGSTOP for each measurement, because a nice-19 job on these 2 vCPUs still halved the
