@@ -64,6 +64,16 @@ class HandoffPool(Generic[T]):
         assert waiter.item is not None
         return waiter.item
 
+    def enqueue(self, priority: tuple, waiter: _Waiter[T]) -> None:
+        """Queue a waiter whose thread is already blocked on ``waiter.gate`` (or will be): it is woken
+        when an item is handed to it, at once if one is free."""
+        with self._lock:
+            if not self._free:
+                heapq.heappush(self._waiting, (priority, next(self._ticket), waiter))
+                return
+            waiter.item = self._free.pop()
+        waiter.gate.release()
+
     def release(self, item: T) -> None:
         """Give ``item`` back: to the first waiter if any (waking it alone), else to the free list."""
         with self._lock:
@@ -105,6 +115,22 @@ class RunGate:
             yield
         finally:
             self._pool.release(token)
+
+    def ticket(self) -> _Waiter[bool]:
+        """A waiter for `admit`: its thread blocks on ``ticket.gate.acquire()`` until handed the gate."""
+        return _Waiter()
+
+    def admit(self, priority: tuple, ticket: _Waiter[bool]) -> None:
+        """Queue ``ticket`` for the gate on behalf of its (blocked) thread: one wake-up, when its turn comes."""
+        self._pool.enqueue(priority, ticket)
+
+    def give(self) -> None:
+        """Let go of the gate held by this thread (to the first waiter)."""
+        self._pool.release(True)
+
+    def take(self, priority: tuple = ()) -> None:
+        """Wait for the gate."""
+        self._pool.acquire(priority)
 
     @contextmanager
     def released(self, priority: tuple = ()) -> Iterator[None]:

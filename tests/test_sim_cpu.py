@@ -341,3 +341,113 @@ def test_importing_p2pfl_before_torch_drops_mkls_per_thread_buffer_cache() -> No
         flag, kb_default = per_thread_kb("torch")
         assert flag == "1"  # set, but after MKL read it
         assert kb_default > kb + 300, (kb_default, kb)
+
+
+def _msg(sender: str, r: int) -> Message:
+    return Message(sender, r, 0, "h", (), torch.full((3,), float(r)), {})
+
+
+@pytest.mark.timeout(120)
+def test_gated_readers_are_handed_the_gate_once_their_messages_are_in_one_runner_at_a_time() -> None:
+    """A worker's ring of peer threads over several rounds, half of the messages arriving from a
+    bridge thread that holds no gate (as from another worker), at random moments: every reader
+    gets both neighbours' messages, and only one peer runs at a time."""
+    import random
+
+    from p2pfl.modelpool import RunGate
+
+    hub, gate, n, rounds = MemoryHub(), RunGate(), 12, 6
+    active, peak, lock = [0], [0], threading.Lock()
+    got: dict[tuple[int, int], set[str]] = {}
+    bridged: list[Message] = []
+    rng = random.Random(7)
+
+    def running(step: float) -> None:
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(step)
+        with lock:
+            active[0] -= 1
+
+    def peer(i: int) -> None:
+        with gate.held((-1, i)):
+            for r in range(rounds):
+                running(0.001)
+                msg = _msg(f"p{i}", r)
+                if i % 2:
+                    with lock:
+                        bridged.append(msg)
+                else:
+                    hub.put(msg, 2)
+                keys = [(f"p{(i - 1) % n}", r, 0), (f"p{(i + 1) % n}", r, 0)]
+                out = hub.take_gated(keys, time.monotonic() + 30, None, gate, (r, i))
+                got[(i, r)] = set(out)
+                running(0.001)
+
+    def bridge() -> None:
+        delivered = 0
+        while delivered < n * rounds // 2:
+            with lock:
+                batch, bridged[:] = list(bridged), []
+            for m in batch:
+                time.sleep(rng.random() * 0.003)
+                hub.put(m, 2)
+                delivered += 1
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=peer, args=(i,), daemon=True) for i in range(n)]
+    threads.append(threading.Thread(target=bridge, daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive()
+    assert peak[0] == 1
+    assert all(got[(i, r)] == {f"p{(i - 1) % n}", f"p{(i + 1) % n}"} for i in range(n) for r in range(rounds))
+    assert len(hub) == 0 and not hub._waiters
+
+
+@pytest.mark.timeout(60)
+def test_a_gated_reader_gives_up_at_its_deadline_and_on_abort_holding_the_gate_again() -> None:
+    from p2pfl.modelpool import RunGate
+
+    hub, gate = MemoryHub(), RunGate()
+    other_ran = threading.Event()
+
+    def other() -> None:
+        with gate.held((0, 1)):
+            other_ran.set()
+
+    with gate.held((-1, 0)):
+        t = threading.Thread(target=other, daemon=True)
+        t.start()
+        hub.put(_msg("a", 0), 1)
+        out = hub.take_gated([("a", 0, 0), ("never", 0, 0)], time.monotonic() + 0.3, None, gate, (0, 0))
+        assert set(out) == {"a"}  # the missing neighbour is given up at the deadline
+        assert other_ran.wait(5)  # the gate was let go meanwhile
+        assert not hub._waiters
+        # back holding the gate: a third thread cannot enter until this block ends
+        third = threading.Event()
+        t3 = threading.Thread(target=lambda: (gate.take((0, 2)), third.set(), gate.give()), daemon=True)
+        t3.start()
+        assert not third.wait(0.3)
+    assert third.wait(5)
+
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        with gate.held((0, 3)):
+            try:
+                hub.take_gated([("y", 0, 0)], time.monotonic() + 60, None, gate, (0, 3))
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                errors.append(exc)
+
+    tb = threading.Thread(target=blocked, daemon=True)
+    tb.start()
+    _wait_until(lambda: bool(hub._waiters))
+    hub.abort("peer p9 failed")
+    tb.join(10)
+    assert not tb.is_alive() and errors and "peer p9 failed" in str(errors[0])
+    with gate.held((0, 4)):  # the aborted reader gave the gate back on its way out
+        pass

@@ -30,13 +30,19 @@ HEADER_BYTES = 64  # the batched engine's fixed per-message header estimate (thi
 
 
 class _Reader:
-    """A reader waiting for several keys: woken once, when the last of them is stored."""
+    """A reader waiting for several keys: woken once (``wake``), when the last of them is stored.
 
-    __slots__ = ("event", "missing")
+    ``armed`` (changed under the hub's lock) says a wake-up may still come; whoever disarms it
+    (the store that completes it, an abort, or the reader giving up) decides whether it does.
+    """
 
-    def __init__(self) -> None:
-        self.event = threading.Event()
+    __slots__ = ("event", "missing", "armed", "wake")
+
+    def __init__(self, wake: Callable[[], None] | None = None) -> None:
+        self.event = threading.Event() if wake is None else None
         self.missing = 0
+        self.armed = False
+        self.wake = wake or self.event.set  # type: ignore[union-attr]
 
 
 class MemoryHub:
@@ -84,11 +90,14 @@ class MemoryHub:
         with self._lock:
             self._board[key] = (message, count, size)
             for reader in self._waiters.pop(key, ()):
+                if not reader.armed:
+                    continue
                 reader.missing -= 1
                 if reader.missing <= 0:
+                    reader.armed = False
                     ready.append(reader)
         for reader in ready:
-            reader.event.set()
+            reader.wake()
 
     def take(self, keys: list[tuple[str, int, int]], deadline: float,
              sizes: dict[str, int] | None = None) -> dict[str, Message]:
@@ -98,46 +107,98 @@ class MemoryHub:
         not size every message again (building its header was ~2% of a worker's CPU).
         """
         out: dict[str, Message] = {}
-        reader: _Reader | None = None
+        reader = _Reader()
+        event = reader.event
+        assert event is not None
         registered: list[tuple[str, int, int]] = []
         while True:
+            event.clear()
             with self._lock:
-                if self._aborted:
-                    raise TransportError(f"simulation aborted: {self._aborted}")
-                self._forget(reader, registered)
-                missing = []
-                for key in keys:
-                    if key[0] in out:
-                        continue
-                    if key in self._board:
-                        msg, left, size = self._board[key]
-                        out[key[0]] = msg
-                        if sizes is not None:
-                            sizes[key[0]] = size
-                        if left <= 1:
-                            del self._board[key]
-                        else:
-                            self._board[key] = (msg, left - 1, size)
-                    else:
-                        missing.append(key)
-                if not missing:
-                    return out
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return out
-                if reader is None:
-                    reader = _Reader()
-                reader.event.clear()
-                reader.missing = len(missing)
-                for key in missing:
-                    self._waiters.setdefault(key, []).append(reader)
-                registered = missing
-            reader.event.wait(timeout=min(remaining, 1.0))
+                remaining = self._collect(keys, deadline, out, sizes, reader, registered)
+            if remaining is None:
+                return out
+            event.wait(timeout=min(remaining, 1.0))
 
-    def _forget(self, reader: _Reader | None, keys: list[tuple[str, int, int]]) -> None:
+    def take_gated(self, keys: list[tuple[str, int, int]], deadline: float, sizes: dict[str, int] | None,
+                   gate: RunGate, priority: tuple) -> dict[str, Message]:
+        """`take` for a peer thread holding its worker's ``gate``: it lets the gate go while it waits,
+        and returns (or raises) holding it again.
+
+        The reader is woken once: when its last message is stored, the storing thread queues it
+        for the gate with ``priority``, and the gate wakes it on its turn. (Woken by its messages,
+        it would only have gone back to sleep waiting for the gate: two thread switches.)
+        """
+        out: dict[str, Message] = {}
+        ticket = gate.ticket()
+        reader = _Reader(wake=lambda: gate.admit(priority, ticket))
+        registered: list[tuple[str, int, int]] = []
+        holding = True
+        try:
+            while True:
+                with self._lock:
+                    remaining = self._collect(keys, deadline, out, sizes, reader, registered)
+                if remaining is None:
+                    return out
+                if holding:
+                    gate.give()
+                    holding = False
+                if ticket.gate.acquire(timeout=min(remaining, 1.0)):
+                    holding = True  # handed the gate: its messages are stored (or the run aborted)
+                    continue
+                with self._lock:  # timed out: stop any wake-up, unless one is already on its way
+                    coming = not reader.armed and bool(registered)
+                    reader.armed = False
+                    self._forget(reader, registered)
+                    registered = []
+                if coming:
+                    ticket.gate.acquire()
+                    holding = True
+        finally:
+            if not holding:
+                gate.take(priority)
+
+    def _collect(self, keys: list[tuple[str, int, int]], deadline: float, out: dict[str, Message],
+                 sizes: dict[str, int] | None, reader: _Reader, registered: list[tuple[str, int, int]]
+                 ) -> float | None:
+        """Move the stored ``keys`` into ``out``; register ``reader`` for the missing ones.
+
+        Call with the lock held. Returns None when the reader is done (all keys, or its deadline),
+        else the seconds left. Raises if the simulation was aborted.
+        """
+        if self._aborted:
+            raise TransportError(f"simulation aborted: {self._aborted}")
+        reader.armed = False
+        self._forget(reader, registered)
+        registered.clear()
+        missing = []
+        for key in keys:
+            if key[0] in out:
+                continue
+            if key in self._board:
+                msg, left, size = self._board[key]
+                out[key[0]] = msg
+                if sizes is not None:
+                    sizes[key[0]] = size
+                if left <= 1:
+                    del self._board[key]
+                else:
+                    self._board[key] = (msg, left - 1, size)
+            else:
+                missing.append(key)
+        if not missing:
+            return None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        reader.missing = len(missing)
+        reader.armed = True
+        for key in missing:
+            self._waiters.setdefault(key, []).append(reader)
+        registered.extend(missing)
+        return remaining
+
+    def _forget(self, reader: _Reader, keys: list[tuple[str, int, int]]) -> None:
         """Unregister ``reader`` from those of ``keys`` not stored yet; call with the lock held."""
-        if reader is None:
-            return
         for key in keys:
             lst = self._waiters.get(key)
             if lst and reader in lst:
@@ -149,10 +210,12 @@ class MemoryHub:
         """Wake every waiter with an error (a peer thread failed)."""
         with self._lock:
             self._aborted = reason
-            waiters = {id(r): r for lst in self._waiters.values() for r in lst}
+            waiters = {id(r): r for lst in self._waiters.values() for r in lst if r.armed}
             self._waiters.clear()
+            for reader in waiters.values():
+                reader.armed = False
         for reader in waiters.values():
-            reader.event.set()
+            reader.wake()
 
     def __len__(self) -> int:
         with self._lock:
@@ -187,8 +250,7 @@ class MemoryTransport(Transport):
         if self.gate is None:
             got = self.hub.take(keys, deadline, sizes)
         else:
-            with self.gate.released((message.round, self.rank)):
-                got = self.hub.take(keys, deadline, sizes)
+            got = self.hub.take_gated(keys, deadline, sizes, self.gate, (message.round, self.rank))
         for j in [j for j, m in got.items() if not _finite(m)]:
             # The gRPC receiver refuses NaN/Inf payloads; so does the simulation (same results).
             log.warning("%s round %d step %d: payload from %s rejected: NaN or Inf values",
