@@ -50,7 +50,14 @@ wake a reader only when its messages are all present and it is its turn (today a
 its messages, then waits again for the gate: two switches where one would do). Done instead: the
 board wakes a reader once, when the last of its messages arrives (a ring peer was woken twice per
 exchange); after it, same command: wall **1.151x** (min 1.149x), CPU **1.121x** (1.103x), PSS 1.103x
-(exact 1.07 s/round, loop 0.87 s/round), against 1.219x / 1.158x just before.
+(exact 1.07 s/round, loop 0.87 s/round), against 1.219x / 1.158x just before. Then the run gate
+itself: a reader waiting for its neighbours is queued for the gate by the store that completes it
+and woken once, on its turn (`MemoryHub.take_gated`). Voluntary context switches of the workers
+over a 10-round run (getrusage of the children, 2 pairs): 12852 -> 9202 and 12546 -> 10866.
+Its time effect is inside this box's noise, which grew during the session: interleaved single
+runs of the two commits' exact engine differed by -3..-7% in one series and +10..+13% in the
+next; the same 10-round bench after it gave wall 1.25-1.29x, CPU 1.22-1.24x, PSS 0.97-0.98x
+while the loop's own PSS moved from ~865 to ~955 MB between the series (nothing in it changed).
 
 Figures (2026-11-23, later session; the 2-core box quiet: the background reproduction sweep was
 paused with SIGSTOP for each measurement, because a nice-19 job on these 2 vCPUs still halved the
