@@ -136,8 +136,8 @@ class RunGate:
     def released(self, priority: tuple = ()) -> Iterator[None]:
         """Inside `held`: let the others run during the block (a wait), then queue for the gate again
         with ``priority`` (also when the block raises, so the enclosing `held` releases what it holds)."""
-        self._pool.release(True)
+        self.give()
         try:
             yield
         finally:
-            self._pool.acquire(priority)
+            self.take(priority)

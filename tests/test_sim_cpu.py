@@ -3,6 +3,7 @@ and `p2pfl simulate` imports neither Flower nor gRPC."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -298,8 +299,9 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
-p2pfl_sim = __import__("p2pfl.simulation", fromlist=["one_malloc_arena"])
-p2pfl_sim.one_malloc_arena()
+from p2pfl.simulation import one_malloc_arena
+
+one_malloc_arena()
 torch.set_num_threads(1)
 layer, x = torch.nn.Linear(512, 128), torch.randn(16, 512)
 turn, done = threading.Lock(), threading.Event()
@@ -329,7 +331,7 @@ def test_importing_p2pfl_before_torch_drops_mkls_per_thread_buffer_cache() -> No
     """A worker runs one thread per peer; MKL's fast memory manager kept ~1 MB per thread that ran a GEMM."""
 
     def per_thread_kb(first: str) -> tuple[str, float]:
-        env = {k: v for k, v in __import__("os").environ.items() if k != "MKL_DISABLE_FAST_MM"}
+        env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
         out = subprocess.run([sys.executable, "-c", _PER_THREAD_PROBE, first], capture_output=True, text=True,
                              timeout=100, env=env, check=True).stdout.split()
         return out[0], float(out[1])

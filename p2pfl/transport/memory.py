@@ -36,13 +36,12 @@ class _Reader:
     (the store that completes it, an abort, or the reader giving up) decides whether it does.
     """
 
-    __slots__ = ("event", "missing", "armed", "wake")
+    __slots__ = ("missing", "armed", "wake")
 
-    def __init__(self, wake: Callable[[], None] | None = None) -> None:
-        self.event = threading.Event() if wake is None else None
+    def __init__(self, wake: Callable[[], None]) -> None:
         self.missing = 0
         self.armed = False
-        self.wake = wake or self.event.set  # type: ignore[union-attr]
+        self.wake = wake
 
 
 class MemoryHub:
@@ -107,9 +106,8 @@ class MemoryHub:
         not size every message again (building its header was ~2% of a worker's CPU).
         """
         out: dict[str, Message] = {}
-        reader = _Reader()
-        event = reader.event
-        assert event is not None
+        event = threading.Event()
+        reader = _Reader(event.set)
         registered: list[tuple[str, int, int]] = []
         while True:
             event.clear()
@@ -146,10 +144,8 @@ class MemoryHub:
                     holding = True  # handed the gate: its messages are stored (or the run aborted)
                     continue
                 with self._lock:  # timed out: stop any wake-up, unless one is already on its way
-                    coming = not reader.armed and bool(registered)
+                    coming = not reader.armed  # disarmed by the store that completed it, or an abort
                     reader.armed = False
-                    self._forget(reader, registered)
-                    registered = []
                 if coming:
                     ticket.gate.acquire()
                     holding = True
