@@ -95,6 +95,9 @@ class SimulationConfig(Section):
     # exact: each peer runs the Node loop (bitwise equal to launch/compose); batched: all peers as
     # one stack of tensors, one vectorized step (p2pfl/engine/batched.py; equal up to float rounding).
     engine: Literal["exact", "batched"] = "exact"
+    # Each worker process on a core of its own when the process may use exactly ``workers`` cores
+    # (p2pfl/simulation.py, ``worker_cores``); false: the kernel places them.
+    pin_cores: bool = True
 
 
 class CheckpointConfig(Section):

@@ -470,6 +470,7 @@ class _Running:
     proc: subprocess.Popen[bytes]
     log: IO[bytes]
     started: float
+    slot: int = 0
 
 
 def run_sweep(spec: SweepSpec, out: Path | None = None, *, jobs: int = 1, dry_run: bool = False,
@@ -496,10 +497,12 @@ def run_sweep(spec: SweepSpec, out: Path | None = None, *, jobs: int = 1, dry_ru
     todo = deque(r for r in result.cells if r.status == "pending")
     bar, task = _progress(progress, len(cells), len(cells) - len(todo))
     running: list[_Running] = []
+    slots = core_slots(jobs)
     try:
         while todo or running:
             while todo and len(running) < jobs:
-                running.append(_start(out, todo.popleft()))
+                slot = min(set(range(jobs)) - {r.slot for r in running})
+                running.append(_start(out, todo.popleft(), slot, slots[slot] if slots else None))
             time.sleep(0.05)
             for run in [r for r in running if r.proc.poll() is not None]:
                 running.remove(run)
@@ -535,7 +538,21 @@ def _progress(enabled: bool, total: int, done: int) -> tuple[Any, Any]:
     return bar, task
 
 
-def _start(out: Path, res: CellResult) -> _Running:
+def core_slots(jobs: int) -> list[list[int]] | None:
+    """For ``jobs`` > 1 cells side by side: a disjoint slice of this process's cores for each (a
+    cell's simulation then pins its workers inside its slice, p2pfl.simulation.worker_cores);
+    None for one job, off Linux, or with fewer cores than jobs."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return None
+    per = len(allowed) // max(1, jobs)
+    if jobs < 2 or per < 1:
+        return None
+    return [allowed[k * per:(k + 1) * per] for k in range(jobs)]
+
+
+def _start(out: Path, res: CellResult, slot: int = 0, cores: list[int] | None = None) -> _Running:
     cell_dir = out / res.cell.name
     resume = res.found == "interrupted" and res.cell.flower is None and can_resume(cell_dir, res.cell.config)
     if cell_dir.exists() and not resume:  # a failed or stale attempt, or one without checkpoints: start clean
@@ -550,11 +567,16 @@ def _start(out: Path, res: CellResult) -> _Running:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # Own session: a Ctrl-C in the terminal reaches only the sweep, which then stops each cell
     # once (a second SIGINT during a cell's cleanup would leave its worker processes behind).
+    def before_exec() -> None:
+        _default_sigint()
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                            preexec_fn=_default_sigint)
+                            preexec_fn=before_exec)
     res.status = "running"
-    return _Running(res, proc, log, time.perf_counter())
+    return _Running(res, proc, log, time.perf_counter(), slot)
 
 
 def _default_sigint() -> None:

@@ -314,3 +314,25 @@ def test_full_model_methods_beat_local_on_iid(name: str, beat_dir: str, monkeypa
     print(f"{name}: {acc:.4f} vs local {base:.4f}, alone {alone:.4f}")
     assert acc > base + 0.02
     assert acc > alone + 0.02
+
+
+def test_sgd_step_is_torch_optim_sgd_bit_for_bit_with_and_without_momentum() -> None:
+    """The shared rule (multi-tensor path without momentum, per tensor with it) against torch.optim.SGD."""
+    from p2pfl.algorithms.rules import sgd_step_
+
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(16, 1, 5, 5), (16,), (128, 512), (10,)]
+    for momentum, wd in ((0.0, 0.0), (0.0, 5e-4), (0.9, 5e-4)):
+        ref = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+        ours = [p.detach().clone() for p in ref]
+        opt = torch.optim.SGD(ref, lr=0.07, momentum=momentum, weight_decay=wd, foreach=False)
+        bufs: list = [None] * len(ours)
+        for _ in range(4):
+            grads = [torch.randn(s, generator=gen) * 10.0 ** float(torch.randint(-4, 3, (), generator=gen))
+                     for s in shapes]
+            for p, g in zip(ref, grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+            sgd_step_(ours, grads, bufs, lr=0.07, momentum=momentum, weight_decay=wd)
+            for a, b in zip(ref, ours, strict=True):
+                assert torch.equal(a.detach(), b), (momentum, wd)

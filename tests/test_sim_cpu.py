@@ -3,6 +3,7 @@ and `p2pfl simulate` imports neither Flower nor gRPC."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -453,3 +454,69 @@ def test_a_gated_reader_gives_up_at_its_deadline_and_on_abort_holding_the_gate_a
     assert not tb.is_alive() and errors and "peer p9 failed" in str(errors[0])
     with gate.held((0, 4)):  # the aborted reader gave the gate back on its way out
         pass
+
+
+def _run_recording_pins(tmp_path, monkeypatch: pytest.MonkeyPatch, allowed: set[int], **sim: object) -> list[tuple]:
+    """Run a 2-worker simulation with this process limited to ``allowed`` cores; return what each
+    forked worker pinned itself to: (core asked, affinity after the real call)."""
+    from p2pfl import simulation
+    from p2pfl.config import load_config
+    from tests.conftest import tiny_config
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    log = tmp_path / "pins.txt"
+    real = os.sched_setaffinity
+
+    def recording(pid: int, cores) -> None:
+        real(pid, cores)
+        with open(log, "a") as f:  # one short line per worker, appended atomically
+            f.write(f"{sorted(cores)[0]} {sorted(os.sched_getaffinity(0))}\n")
+
+    monkeypatch.setattr(simulation.os, "sched_setaffinity", recording)
+    cfg = load_config(tiny_config(tmp_path, rounds=2, simulation={"workers": 2, **sim}), [])
+    before = os.sched_getaffinity(0)
+    real(0, allowed)
+    try:
+        simulation.simulate(cfg, tmp_path / "run", progress=False)
+    finally:
+        real(0, before)
+    return sorted(tuple(line.split(" ", 1)) for line in log.read_text().splitlines()) if log.exists() else []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a single-core machine runs one worker")
+def test_two_workers_on_two_cores_are_pinned_one_per_core_unless_turned_off(tmp_path, monkeypatch) -> None:
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    pins = _run_recording_pins(tmp_path / "a", monkeypatch, set(cores))
+    # each worker on its own core, and the kernel holds it there (the real call took effect)
+    assert pins == [(str(cores[0]), f"[{cores[0]}]"), (str(cores[1]), f"[{cores[1]}]")]
+    assert json.loads((tmp_path / "a" / "run" / "summary.json").read_text())["rounds"] == 2
+    assert _run_recording_pins(tmp_path / "b", monkeypatch, set(cores), pin_cores=False) == []
+    # (spare cores leave placement to the kernel: test_worker_cores_and_sweep_slots_follow_the_allowed_cores)
+
+
+def test_worker_cores_and_sweep_slots_follow_the_allowed_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from p2pfl import simulation, sweep
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 1, 3, 7})
+    assert simulation.worker_cores(4) == [1, 3, 5, 7]
+    assert simulation.worker_cores(2) is None and simulation.worker_cores(5) is None
+    assert sweep.core_slots(2) == [[1, 3], [5, 7]]
+    assert sweep.core_slots(3) == [[1], [3], [5]]
+    assert sweep.core_slots(1) is None and sweep.core_slots(5) is None
+
+
+def test_a_workers_records_travel_a_round_at_a_time_and_none_is_lost() -> None:
+    import queue
+
+    from p2pfl.simulation import _RecordBatch
+
+    q: queue.Queue = queue.Queue()
+    batch = _RecordBatch(q, 3)
+    for r in range(7):
+        batch.add({"round": r // 3, "i": r})
+    assert [len(q.get_nowait()[1]) for _ in range(2)] == [3, 3] and q.empty()
+    batch.flush()
+    assert q.get_nowait() == ("rounds", [{"round": 2, "i": 6}])
+    batch.flush()
+    assert q.empty()  # nothing pending: nothing sent

@@ -61,6 +61,15 @@ def sgd_step_(params: Sequence[Tensor], grads: Sequence[Tensor], bufs: list[Tens
     ``torch.optim.SGD`` clones it). ``lr`` is a float, or a ``[peers]`` tensor for a stack whose
     peers step with different rates (DFedPGP's ``eta / mu`` in push-sum mode).
     """
+    if momentum == 0 and active is None and not isinstance(lr, Tensor) and params:
+        # The common case in two multi-tensor calls instead of two ops per tensor (the per-op
+        # Python and dispatch cost was ~5% of a small CNN's CPU step). The same elementwise
+        # kernels per tensor, so the same bits.
+        if len(params) != len(grads):
+            raise ValueError(f"{len(params)} parameters but {len(grads)} gradients")
+        ds = list(grads) if weight_decay == 0 else torch._foreach_add(list(grads), list(params), alpha=weight_decay)
+        torch._foreach_add_(list(params), ds, alpha=-lr)
+        return
     for i, (p, g) in enumerate(zip(params, grads, strict=True)):
         d = g if weight_decay == 0 else g.add(p, alpha=weight_decay)
         if momentum != 0:
