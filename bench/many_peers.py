@@ -26,6 +26,41 @@ included; ``peak_rss_mb`` the peak of the process tree's summed RSS (``peak_pss_
 PSS, which counts pages shared after fork once), sampled every 0.2 s by this process. Ratios are
 taken per repeat (side by side) and reported as median and min over repeats.
 
+Figures (2026-11-25; the sweep paused with SIGSTOP for each measurement). The tight loop's workers are
+now pinned to a core each by the simulation's own rule (``worker_cores``), so that neither side gains
+from pinning alone. The default run is the protocol's 50 rounds. Runs of 6 or 10 rounds, like every
+figure below this paragraph, flatter the exact engine: its peers pipeline rounds, so the end of its
+first round comes late. At 10 rounds the current code measured wall 0.99x and CPU 1.01x; at 50
+rounds, wall 1.11x and CPU 1.16x.
+``--rounds 50 --repeats 2/3 --engines exact,loop``, the same pinned loop:
+
+* before (44e8a1c): wall 1.277x (min 1.257x), CPU 1.264x (1.246x), PSS 1.053x; total with
+  start-up 50.6 s vs 38.7 s.
+* after (71ade79): wall **1.110x** (min 1.097x), CPU **1.162x** (1.155x), PSS 1.066x, RSS 1.00x;
+  total 45.6 s vs 39.9 s.
+
+Final accuracy is the same at both commits (0.69451448).
+What changed, and why:
+(1) Each worker is pinned to a core when the workers are exactly as many as the allowed cores. Every
+run-gate handoff wakes another thread, and the kernel often woke it on the other worker's core. A
+peer thread holding the gate then ran only 80-87% of the wall time it spent training (the loop's
+thread: 99%), and a worker was busy 86-87% of its wall time. Pinned, both are 99-100% (thread CPU
+vs wall around ``local_update``, /tmp instrumentation, 10 rounds).
+(2) A worker sends its records a round at a time: one queue put per record woke the queue's feeder
+thread beside the training thread. Voluntary context switches over 10 rounds went from 8226 to
+about 4100.
+(3) ``sgd_step_`` without momentum makes two multi-tensor calls. One peer's 3-step update cost 1.043x
+the loop's inner code in a single thread before, and 1.018x after.
+Where the rest of the CPU gap is, 50 rounds, per worker (thread CPU): training 27.6 s vs the loop's
+25.9 s, evaluation 4.4 vs 4.3 s. The framework is about 1 ms per peer-round (3.2 s): the exchange
+0.85 s (the board, the gate handoff, wire sizes, finiteness checks), mixing 0.35 s (the loop's
+0.26 s), binding 0.26 s, checkpoints 0.30 s, and about 1.2 s spread over the round's bookkeeping
+(consensus distance, records, borrow).
+Tried and not kept: one compute thread per worker running every peer's training. In a single
+process, 64 threads taking turns cost 4.1% more CPU per step than one thread (cold per-thread
+library state). In the simulation, interleaved 30-round runs showed no difference, and context
+switches doubled.
+
 Figures (2026-11-23, fourth session; sweep paused as below). Memory, commit dd0d421: two causes of the
 PSS gap found and removed. (1) MKL's fast memory manager keeps a GEMM buffer cache per thread
 (~1 MB after a linear layer's backward pass, measured with mallinfo2 over 32 idle threads; 60 KB
@@ -102,7 +137,7 @@ times are inflated and noisy; ratios are per repeat, side by side):
   runs one thread, i.e. one core where exact and loop use two: on a CPU it costs about what exact
   costs in CPU seconds and cannot be faster in wall time; it is for GPUs.
 
-Usage: python bench/many_peers.py [--rounds 10] [--peers 128] [--repeats 2] [--engines exact,batched,loop]
+Usage: python bench/many_peers.py [--rounds 50] [--peers 128] [--repeats 2] [--engines exact,batched,loop]
 The last line is one JSON object.
 
 On a GPU (the tight loop is CPU-only; the target there is batched >= 10x exact for 128 cnn_small peers):
@@ -311,7 +346,11 @@ def _loop_worker(w: int, nworkers: int, exp: Any, flat: Any, mix: list[list[tupl
     import torch.nn.functional as F
 
     from p2pfl.experiment import peer_seed
+    from p2pfl.simulation import worker_cores
 
+    cores = worker_cores(nworkers)  # pinned by the simulation's own rule, so neither side gains from it alone
+    if cores is not None:
+        os.sched_setaffinity(0, {cores[w]})
     torch.set_num_threads(1)
     ids = list(exp.topology.ids)
     mine = [i for i in range(len(ids)) if i * nworkers // len(ids) == w]
@@ -455,8 +494,10 @@ def _stats(values: list[float]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(DEFAULT_CONFIG))
-    ap.add_argument("--rounds", type=int, default=10,
-                    help="rounds per run (>= 2; the first is not timed); 10 = one checkpoint, as in the protocol")
+    ap.add_argument("--rounds", type=int, default=50,
+                    help="rounds per run (>= 2; the first is not timed); 50 = the protocol's own length. Fewer "
+                         "flatter the exact engine: its peers pipeline rounds, so the end of its first round "
+                         "(the slowest peer's) comes late and the timed span holds less than rounds-1 rounds of work")
     ap.add_argument("--peers", type=int, default=None, help="peers on a ring (default: the config's topology)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
