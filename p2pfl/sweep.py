@@ -367,13 +367,66 @@ def _normalize(cfg: dict[str, Any]) -> dict[str, Any]:
     return yaml.safe_load(yaml.safe_dump(cfg, sort_keys=True))
 
 
+#: A path inside a code snapshot of `bench/reproduce/table1/run.sh`: ``.../code-<12 hex>/<path in the repo>``.
+_SNAPSHOT_PATH = re.compile(r"(?:^|/)code-([0-9a-f]{12})/(.+)$")
+#: Where git looks for a snapshot's commit: this package's checkout (none for an installed wheel).
+_REPO = Path(__file__).resolve().parent
+
+
+def _topology_bytes(path: str) -> bytes | None:
+    """The topology file's content: from disk, or, for a snapshot folder that is gone (a cell that
+    finished on another checkout), from git at the snapshot's commit. None when neither is at hand."""
+    p = Path(path)
+    if p.is_file():
+        return p.read_bytes()
+    m = _SNAPSHOT_PATH.search(path)
+    if m is None:
+        return None
+    sha, rel = m.groups()
+    try:
+        got = subprocess.run(["git", "show", f"{sha}:{rel}"], capture_output=True, timeout=30,
+                             cwd=_REPO)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return got.stdout if got.returncode == 0 else None
+
+
+def _topology_key(path: str) -> str | None:
+    """What of a topology file decides results: its graph (``Topology.hash``, which leaves out the
+    addresses, kept apart since the address book), else its bytes; None when the file is not at hand."""
+    content = _topology_bytes(path)
+    if content is None:
+        return None
+    try:
+        from p2pfl.topology import parse_topology
+        from p2pfl.yamlsafe import load_yaml_text
+
+        return "graph:" + parse_topology(load_yaml_text(content.decode("utf-8"), path), path).hash()
+    except (ValueError, UnicodeDecodeError):  # BadInput/TopologyError are ValueErrors
+        return "sha1:" + hashlib.sha1(content).hexdigest()
+
+
+def _with_local_topology(saved: Any, planned: dict[str, Any]) -> Any:
+    """A saved config whose topology file is gone (its code snapshot was on another checkout) but
+    whose content, from git, is the planned one's: the planned path instead, so it parses."""
+    if not (isinstance(saved, dict) and isinstance(saved.get("topology"), str)
+            and isinstance(planned.get("topology"), str)) or Path(saved["topology"]).is_file():
+        return saved
+    mine, theirs = _topology_key(saved["topology"]), _topology_key(planned["topology"])
+    if mine is None or mine != theirs:
+        return saved
+    return {**saved, "topology": planned["topology"]}
+
+
 def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
     """What decides a cell's results: the config less result-neutral keys, with the topology file
     named by its content (a checkout or snapshot elsewhere holds the same file at another path)."""
     out = copy.deepcopy(cfg)
     topo = out.get("topology")
-    if isinstance(topo, str) and Path(topo).is_file():
-        out["topology"] = "sha1:" + hashlib.sha1(Path(topo).read_bytes()).hexdigest()
+    if isinstance(topo, str):
+        key = _topology_key(topo)
+        if key is not None:
+            out["topology"] = key
     for key in RESULT_NEUTRAL_KEYS:
         *parents, leaf = key.split(".")
         node = out
@@ -394,7 +447,7 @@ def cell_state(cell_dir: Path, config: dict[str, Any]) -> str:
         return "interrupted"
     try:
         json.loads(summary.read_text())
-        done = parse_config(yaml.safe_load(saved.read_text())).raw
+        done = parse_config(_with_local_topology(yaml.safe_load(saved.read_text()), config)).raw
     except (OSError, ValueError, yaml.YAMLError, TypeError):
         return "interrupted"
     return "finished" if _comparable(_normalize(done)) == _comparable(config) else "stale"

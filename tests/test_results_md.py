@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from p2pfl.config import load_config
 from p2pfl.simulation import simulate
@@ -72,3 +73,23 @@ def test_collect_copies_evidence_without_checkpoints(tmp_path: Path, monkeypatch
         assert f.read() == (cell / "metrics.jsonl").read_text()
     assert 0.0 <= json.loads((dst / "avg_model.json").read_text())["acc"] <= 1.0
     assert rmd.collect(tmp_path / "runs", evidence) == []  # unchanged runs are not copied again
+
+
+def test_restore_puts_committed_cells_back_so_a_fresh_checkout_does_not_rerun_them(tmp_path: Path) -> None:
+    from p2pfl import sweep
+
+    name = rmd.folder(rmd.SWEEPS[0].files[0])
+    cfg = load_config(tiny_config(tmp_path, rounds=1))
+    cell = tmp_path / "runs" / name / "deprl-epochs__seed=0"
+    simulate(cfg, cell, progress=False)
+    evidence = tmp_path / "evidence"
+    rmd.collect(tmp_path / "runs", evidence)
+    fresh = tmp_path / "fresh"  # a new checkout: the evidence is committed, runs/ is empty
+    assert rmd.restore(fresh, evidence) == [f"{name}/deprl-epochs__seed=0"]
+    back = fresh / name / "deprl-epochs__seed=0"
+    assert (back / "metrics.jsonl").read_bytes() == (cell / "metrics.jsonl").read_bytes()
+    assert (back / "summary.json").read_bytes() == (cell / "summary.json").read_bytes()
+    planned = sweep._normalize(yaml.safe_load((cell / "config.yaml").read_text()))
+    assert sweep.cell_state(back, planned) == "finished"
+    assert rmd.restore(fresh, evidence) == []  # present: left alone
+    assert rmd.collect(fresh, evidence) == []  # and not collected again

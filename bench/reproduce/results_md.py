@@ -16,6 +16,7 @@ Hand-written text between ``<!-- discussion -->`` and ``<!-- /discussion -->`` i
 results.md is kept.
 
     .venv/bin/python bench/reproduce/results_md.py [--runs runs/reproduce] [--no-collect] [--no-plots]
+    .venv/bin/python bench/reproduce/results_md.py --restore   # committed cells back under runs/ (run.sh)
 """
 
 from __future__ import annotations
@@ -171,6 +172,35 @@ def _gzip_copy(src: Path, dst: Path) -> None:
     with open(src, "rb") as f, open(dst, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw,
                                                                      mtime=0, compresslevel=9) as z:
         shutil.copyfileobj(f, z)
+
+
+def restore(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
+    """The inverse of `collect` for cells missing under ``runs``: put each committed cell's
+    ``config.yaml``, ``summary.json`` and ``metrics.jsonl`` (and ``partition.json``) back, so that a
+    sweep on a fresh checkout counts it as finished instead of running it again (hours each).
+    A cell folder already under ``runs`` (finished, or interrupted with its checkpoints) is left
+    alone. Returns the cells restored. ``collect`` then skips them (same ``summary.json``)."""
+    restored = []
+    for name in (folder(f) for sweep in SWEEPS for f in sweep.files):
+        src_sweep = evidence / name
+        if not src_sweep.is_dir():
+            continue
+        for cell in sorted(p for p in src_sweep.iterdir() if (p / "summary.json").is_file()):
+            dst = runs / name / cell.name
+            if dst.exists():
+                continue
+            tmp = dst.with_name(dst.name + ".restoring")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for file in ("config.yaml", "summary.json"):
+                shutil.copyfile(cell / file, tmp / file)
+            for gz in ("metrics.jsonl", "partition.json"):
+                if (cell / f"{gz}.gz").is_file():
+                    with gzip.open(cell / f"{gz}.gz", "rb") as f, open(tmp / gz, "wb") as out:
+                        shutil.copyfileobj(f, out)
+            tmp.rename(dst)  # whole or absent: a kill mid-restore leaves only the .restoring folder
+            restored.append(f"{name}/{cell.name}")
+    return restored
 
 
 def collect(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
@@ -629,7 +659,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "reproduce", help="sweep output folders")
     ap.add_argument("--no-collect", action="store_true", help="only rebuild results.json/.md from the evidence")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    ap.add_argument("--restore", action="store_true",
+                    help="only put the committed cells missing under --runs back (run.sh does, before a sweep)")
     args = ap.parse_args(argv)
+    if args.restore:
+        for name in restore(args.runs.resolve()):
+            print(f"restored {name}")
+        return 0
     if not args.no_collect:
         for name in collect(args.runs.resolve()):
             print(f"collected {name}")

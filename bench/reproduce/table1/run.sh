@@ -2,7 +2,9 @@
 # DePRL Table 1 (Fashion-MNIST) at the papers' protocols, in priority order: the Ring column
 # (pi 0.1, 0.3, 0.5), then Random, then FC; in each sweep DePRL (epochs), DisPFL, D-PSGD, then the
 # literal DePRL-steps variant, seeds 0-2. Resumable: rerun it; finished cells are skipped and an
-# interrupted cell continues from the last round every peer checkpointed (p2pfl/resume.py).
+# interrupted cell continues from the last round every peer checkpointed (p2pfl/resume.py). Cells whose
+# evidence is committed (docs/results/runs/) count as finished on a fresh checkout too (results_md.py
+# --restore puts them back under runs/reproduce first).
 #
 #   bench/reproduce/table1/run.sh                       # the 9 protocol sweeps, in order
 #   bench/reproduce/table1/run.sh smoke-ring-pi0.1      # named sweeps of this folder only
@@ -25,6 +27,8 @@ if [ ! -f "$CODE/.complete" ]; then
   rm -rf "$CODE" && mkdir -p "$CODE" && git archive "$SHA" | tar -x -C "$CODE" && touch "$CODE/.complete" || exit 2
 fi
 echo "$SHA" > "$OUT/code.current"
+# A fresh checkout has no runs/: put the committed finished cells back, so they are not run again.
+"$PY" "$ROOT/bench/reproduce/results_md.py" --restore --runs "$OUT" >> "$OUT/table1-progress.log" 2>&1
 if [ $# -eq 0 ]; then
   set -- ring-pi0.1 ring-pi0.1-seed0 ring-pi0.1-seeds12 ring-pi0.3 ring-pi0.5 random-pi0.1 random-pi0.3 random-pi0.5 fc-pi0.1 fc-pi0.3 fc-pi0.5
 fi
