@@ -235,9 +235,13 @@ class Node:
                 res.received = {}
             if step == 0 and res.received:
                 # Distance of our shared part to the mean of the neighbours' (same round, before mixing).
+                # k * (own - mean) = k * own - sum: one temporary instead of a stack, a mean and a difference
                 n = min(self.layout.num_shared, msg.flat.numel())
-                mean = torch.stack([m.flat[:n] for m in res.received.values()]).mean(0)
-                consensus = float(torch.linalg.vector_norm(msg.flat[:n] - mean))
+                k = len(res.received)
+                gap = msg.flat[:n] * k
+                for m in res.received.values():
+                    gap.sub_(m.flat[:n])
+                consensus = float(torch.linalg.vector_norm(gap)) / k
             self.algorithm.combine(self.state, r, step, msg, res.received, plan)
             if plan.mode == "push":
                 self._short = bool(res.missing or res.withheld)

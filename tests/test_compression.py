@@ -263,3 +263,13 @@ def test_topk_simulate_equals_grpc_bitwise_with_the_same_bytes(tmp_path: Path) -
     # each peer of the ring sends its payload to 2 neighbours per round: headers + 8 bytes per coordinate
     for r in sim:
         assert sparse * 2 < r["bytes_sent"] < sparse * 2 + 2 * 400
+
+
+def test_remembered_wire_size_is_the_encoded_size_at_every_round_length() -> None:
+    """wire_size remembers one size per header shape; the round enters only through its varint length."""
+    base = _message(FLOAT)
+    for r in (0, 1, 127, 128, 129, 16383, 16384, 2**21 - 1, 2**21, 2**35):
+        for scalars in ({}, {"mu": 0.0}, {"mu": 1.5, "x": -2.0}):
+            msg = dataclasses.replace(base, round=r, scalars=scalars)
+            for chunk in (16, 1 << 20):
+                assert wire_size(msg, chunk) == encode_frames(msg, chunk).wire_bytes, (r, scalars, chunk)

@@ -520,3 +520,33 @@ def test_a_workers_records_travel_a_round_at_a_time_and_none_is_lost() -> None:
     assert q.get_nowait() == ("rounds", [{"round": 2, "i": 6}])
     batch.flush()
     assert q.empty()  # nothing pending: nothing sent
+
+
+def test_a_nan_payload_is_checked_once_when_stored_and_refused_to_every_reader(caplog) -> None:
+    """The board checks a payload's values once, when it is stored (then still in the cache), not
+    once per reader; every reader refuses it as the gRPC receiver would, and it still counts down."""
+    from p2pfl.topology import generate
+    from p2pfl.transport.memory import MemoryTransport
+
+    checks: list[str] = []
+    real = memory._finite
+    hub = MemoryHub()
+    topo = generate("ring", 3)
+    bad = Message("p1", 0, 0, "h", (), torch.tensor([1.0, float("nan")]), {})
+    good = Message("p2", 0, 0, "h", (), torch.tensor([2.0, 3.0]), {})
+    try:
+        memory._finite = lambda m: (checks.append(m.sender), real(m))[1]
+        hub.put(bad, 2)
+        hub.put(good, 2)
+        rejected: set[str] = set()
+        got = hub.take([("p1", 0, 0), ("p2", 0, 0)], time.monotonic() + 5, None, rejected)
+        assert list(got) == ["p2"] and rejected == {"p1"}
+        with caplog.at_level("WARNING", logger="p2pfl.transport.memory"):
+            res = MemoryTransport(hub, "p0").exchange(Message("p0", 0, 0, "h", (), torch.zeros(2), {}),
+                                                      topo.plan("p0", 0, 0, seed=0, mode="pull"), 5.0)
+    finally:
+        memory._finite = real
+    assert list(res.received) == ["p2"] and res.missing == ["p1"]
+    assert "payload from p1 rejected: NaN or Inf values" in caplog.text
+    assert sorted(checks) == ["p0", "p1", "p2"]  # once per stored message, not per read
+    assert len(hub) == 1  # both reads of p1 and p2 consumed them; p0's own payload waits for p1, p2

@@ -59,8 +59,9 @@ class MemoryHub:
         self.local_peers = local_peers  # None: every peer is local (one process)
         self.forward = forward
         self._lock = threading.Lock()
-        # key -> (message, local reads left, its wire size: computed once, by the publisher)
-        self._board: dict[tuple[str, int, int], tuple[Message, int, int]] = {}
+        # key -> (message, local reads left, its wire size, whether its values are all finite):
+        # both computed once per board, when stored (the payload is then still in the cache)
+        self._board: dict[tuple[str, int, int], tuple[Message, int, int, bool]] = {}
         self._waiters: dict[tuple[str, int, int], list[_Reader]] = {}
         self._aborted: str | None = None
 
@@ -85,9 +86,10 @@ class MemoryHub:
         key = (message.sender, message.round, message.step)
         if size is None:
             size = wire_size(message)
+        ok = _finite(message)
         ready = []
         with self._lock:
-            self._board[key] = (message, count, size)
+            self._board[key] = (message, count, size, ok)
             for reader in self._waiters.pop(key, ()):
                 if not reader.armed:
                     continue
@@ -99,11 +101,13 @@ class MemoryHub:
             reader.wake()
 
     def take(self, keys: list[tuple[str, int, int]], deadline: float,
-             sizes: dict[str, int] | None = None) -> dict[str, Message]:
+             sizes: dict[str, int] | None = None, rejected: set[str] | None = None) -> dict[str, Message]:
         """Wait for ``keys`` until ``deadline`` (monotonic); return those present.
 
         ``sizes``, if given, receives each returned message's wire size (by sender), so readers do
-        not size every message again (building its header was ~2% of a worker's CPU).
+        not size every message again (building its header was ~2% of a worker's CPU). A message
+        with NaN or Inf values is not returned: its sender goes into ``rejected`` (if given), as
+        the gRPC receiver refuses such a payload.
         """
         out: dict[str, Message] = {}
         event = threading.Event()
@@ -112,13 +116,13 @@ class MemoryHub:
         while True:
             event.clear()
             with self._lock:
-                remaining = self._collect(keys, deadline, out, sizes, reader, registered)
+                remaining = self._collect(keys, deadline, out, sizes, reader, registered, rejected)
             if remaining is None:
                 return out
             event.wait(timeout=min(remaining, 1.0))
 
     def take_gated(self, keys: list[tuple[str, int, int]], deadline: float, sizes: dict[str, int] | None,
-                   gate: RunGate, priority: tuple) -> dict[str, Message]:
+                   gate: RunGate, priority: tuple, rejected: set[str] | None = None) -> dict[str, Message]:
         """`take` for a peer thread holding its worker's ``gate``: it lets the gate go while it waits,
         and returns (or raises) holding it again.
 
@@ -134,7 +138,7 @@ class MemoryHub:
         try:
             while True:
                 with self._lock:
-                    remaining = self._collect(keys, deadline, out, sizes, reader, registered)
+                    remaining = self._collect(keys, deadline, out, sizes, reader, registered, rejected)
                 if remaining is None:
                     return out
                 if holding:
@@ -154,8 +158,8 @@ class MemoryHub:
                 gate.take(priority)
 
     def _collect(self, keys: list[tuple[str, int, int]], deadline: float, out: dict[str, Message],
-                 sizes: dict[str, int] | None, reader: _Reader, registered: list[tuple[str, int, int]]
-                 ) -> float | None:
+                 sizes: dict[str, int] | None, reader: _Reader, registered: list[tuple[str, int, int]],
+                 rejected: set[str] | None = None) -> float | None:
         """Move the stored ``keys`` into ``out``; register ``reader`` for the missing ones.
 
         Call with the lock held. Returns None when the reader is done (all keys, or its deadline),
@@ -168,17 +172,20 @@ class MemoryHub:
         registered.clear()
         missing = []
         for key in keys:
-            if key[0] in out:
+            if key[0] in out or (rejected is not None and key[0] in rejected):
                 continue
             if key in self._board:
-                msg, left, size = self._board[key]
-                out[key[0]] = msg
-                if sizes is not None:
-                    sizes[key[0]] = size
+                msg, left, size, ok = self._board[key]
+                if ok:
+                    out[key[0]] = msg
+                    if sizes is not None:
+                        sizes[key[0]] = size
+                elif rejected is not None:
+                    rejected.add(key[0])
                 if left <= 1:
                     del self._board[key]
                 else:
-                    self._board[key] = (msg, left - 1, size)
+                    self._board[key] = (msg, left - 1, size, ok)
             else:
                 missing.append(key)
         if not missing:
@@ -242,16 +249,16 @@ class MemoryTransport(Transport):
         self.hub.publish(message, readers, size)
         keys = [(j, message.round, message.step) for j in plan.in_weights]
         sizes: dict[str, int] = {}
+        rejected: set[str] = set()
         deadline = time.monotonic() + deadline_s
         if self.gate is None:
-            got = self.hub.take(keys, deadline, sizes)
+            got = self.hub.take(keys, deadline, sizes, rejected)
         else:
-            got = self.hub.take_gated(keys, deadline, sizes, self.gate, (message.round, self.rank))
-        for j in [j for j, m in got.items() if not _finite(m)]:
+            got = self.hub.take_gated(keys, deadline, sizes, self.gate, (message.round, self.rank), rejected)
+        for j in sorted(rejected):
             # The gRPC receiver refuses NaN/Inf payloads; so does the simulation (same results).
             log.warning("%s round %d step %d: payload from %s rejected: NaN or Inf values",
                         self.peer_id, message.round, message.step, j)
-            del got[j]
         missing = [j for j in plan.in_weights if j not in got]
         recv = sum(sizes[j] for j in got)
         return ExchangeResult(received=got, missing=missing, bytes_sent=size * len(readers), bytes_recv=recv)
