@@ -39,7 +39,17 @@ rounds, wall 1.11x and CPU 1.16x.
 * after (71ade79): wall **1.110x** (min 1.097x), CPU **1.162x** (1.155x), PSS 1.066x, RSS 1.00x;
   total 45.6 s vs 39.9 s.
 
-Final accuracy is the same at both commits (0.69451448).
+* then (3fb861b): a payload's finiteness checked once per board when stored instead of once per
+  reader (the check read a neighbour's cold 320 KB: ~47 us per check in a worker against 8 us in
+  cache), wire sizes remembered per header shape (~80 us per message in a worker), and the
+  consensus distance with one temporary instead of a stack and a mean. Interleaved 20-round
+  instrumented runs against 3781331, 3 pairs: CPU -4.0%, -6.3% and -5.5%; wall -2.8%, -7.2% and
+  -4.1%. Against the loop, ``--rounds 50 --repeats 3`` (the sweep stopped): wall **1.044x** (min
+  1.031x), CPU **1.117x** (1.071x), PSS 1.060x, RSS 1.00x; total with start-up 45.4 s vs 40.4 s
+  (1.12x). PSS is higher in absolute terms than in the runs above (1302 vs 1230 MB) for both
+  engines, because no other Python processes share library pages with them now.
+
+Final accuracy is the same at every commit (0.69451448).
 What changed, and why:
 (1) Each worker is pinned to a core when the workers are exactly as many as the allowed cores. Every
 run-gate handoff wakes another thread, and the kernel often woke it on the other worker's core. A
