@@ -284,11 +284,17 @@ def cell_name(case: str | None, values: dict[str, Any]) -> str:
     return name
 
 
-def available_cores() -> int:
+def _allowed_cores() -> list[int] | None:
+    """The cores this process may run on, sorted; None off Linux."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+        return None
+
+
+def available_cores() -> int:
+    allowed = _allowed_cores()
+    return len(allowed) if allowed is not None else (os.cpu_count() or 1)
 
 
 def plan_cells(spec: SweepSpec, *, jobs: int = 1, cores: int | None = None) -> list[Cell]:
@@ -595,9 +601,8 @@ def core_slots(jobs: int) -> list[list[int]] | None:
     """For ``jobs`` > 1 cells side by side: a disjoint slice of this process's cores for each (a
     cell's simulation then pins its workers inside its slice, p2pfl.simulation.worker_cores);
     None for one job, off Linux, or with fewer cores than jobs."""
-    try:
-        allowed = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
+    allowed = _allowed_cores()
+    if allowed is None:
         return None
     per = len(allowed) // max(1, jobs)
     if jobs < 2 or per < 1:

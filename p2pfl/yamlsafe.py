@@ -177,18 +177,15 @@ def load_yaml_text(text: str, source: str, limits: YamlLimits = YamlLimits()) ->
             aliases = _scan_events(text, limits)
         except _LimitError as exc:
             raise BadInput(f"refused: {exc.problem}", source=source, line=exc.line) from None
-        except yaml.MarkedYAMLError as exc:
-            # The libyaml newer PyYAML wheels bundle (6.0.4 here) has a nesting limit of its own, deeper than ours, that
-            # its scanner can hit before our count sees the 65th level (it looks ahead in flow
-            # collections): the same refusal, in our words.
-            if "maximum nesting depth" not in str(exc.problem):
-                pass  # reported with its line by the loader below
-            else:
-                mark = exc.problem_mark or exc.context_mark
+        except yaml.YAMLError as exc:
+            # The libyaml that newer PyYAML wheels bundle (6.0.4 here) has a nesting limit of its own,
+            # deeper than ours, which its scanner can hit before our count sees the 65th level (it
+            # looks ahead in flow collections): the same refusal, in our words. Any other error is
+            # reported with its line by the loader below.
+            if "maximum nesting depth" in str(getattr(exc, "problem", "")):
+                mark = exc.problem_mark or exc.context_mark  # type: ignore[attr-defined]
                 raise BadInput(f"refused: nesting deeper than {limits.max_depth} levels", source=source,
                                line=None if mark is None else mark.line + 1) from None
-        except yaml.YAMLError:
-            pass  # reported with its line by the loader below
         loader = _StrictCLoader(text)
     else:
         aliases = 1

@@ -29,7 +29,7 @@ import re
 import shutil
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,6 +174,19 @@ def _gzip_copy(src: Path, dst: Path) -> None:
         shutil.copyfileobj(f, z)
 
 
+#: Files a cell folder and its evidence hold alike (the rest is gzipped or derived).
+_COPIED = ("config.yaml", "summary.json")
+
+
+def _finished_cells(root: Path) -> Iterator[tuple[str, Path]]:
+    """(sweep folder, cell folder) of every finished cell of the planned sweeps under ``root``
+    (``runs/reproduce`` or the evidence), in sweep order, then by name."""
+    for name in (folder(f) for sweep in SWEEPS for f in sweep.files):
+        if (root / name).is_dir():
+            for cell in sorted(p for p in (root / name).iterdir() if (p / "summary.json").is_file()):
+                yield name, cell
+
+
 def restore(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
     """The inverse of `collect` for cells missing under ``runs``: put each committed cell's
     ``config.yaml``, ``summary.json`` and ``metrics.jsonl`` (and ``partition.json``) back, so that a
@@ -181,25 +194,21 @@ def restore(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
     A cell folder already under ``runs`` (finished, or interrupted with its checkpoints) is left
     alone. Returns the cells restored. ``collect`` then skips them (same ``summary.json``)."""
     restored = []
-    for name in (folder(f) for sweep in SWEEPS for f in sweep.files):
-        src_sweep = evidence / name
-        if not src_sweep.is_dir():
+    for name, cell in _finished_cells(evidence):
+        dst = runs / name / cell.name
+        if dst.exists():
             continue
-        for cell in sorted(p for p in src_sweep.iterdir() if (p / "summary.json").is_file()):
-            dst = runs / name / cell.name
-            if dst.exists():
-                continue
-            tmp = dst.with_name(dst.name + ".restoring")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            for file in ("config.yaml", "summary.json"):
-                shutil.copyfile(cell / file, tmp / file)
-            for gz in ("metrics.jsonl", "partition.json"):
-                if (cell / f"{gz}.gz").is_file():
-                    with gzip.open(cell / f"{gz}.gz", "rb") as f, open(tmp / gz, "wb") as out:
-                        shutil.copyfileobj(f, out)
-            tmp.rename(dst)  # whole or absent: a kill mid-restore leaves only the .restoring folder
-            restored.append(f"{name}/{cell.name}")
+        tmp = dst.with_name(dst.name + ".restoring")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for file in _COPIED:
+            shutil.copyfile(cell / file, tmp / file)
+        for gz in ("metrics.jsonl", "partition.json"):
+            if (cell / f"{gz}.gz").is_file():
+                with gzip.open(cell / f"{gz}.gz", "rb") as f, open(tmp / gz, "wb") as out:
+                    shutil.copyfileobj(f, out)
+        tmp.rename(dst)  # whole or absent: a kill mid-restore leaves only the .restoring folder
+        restored.append(f"{name}/{cell.name}")
     return restored
 
 
@@ -208,31 +217,27 @@ def collect(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
     from p2pfl.report import ReportError, averaged_model_accuracy
 
     copied = []
-    for name in (folder(f) for sweep in SWEEPS for f in sweep.files):
-        src_sweep = runs / name
-        if not src_sweep.is_dir():
-            continue
-        for cell in sorted(p for p in src_sweep.iterdir() if (p / "summary.json").is_file()):
-            dst = evidence / name / cell.name
-            if (dst / "summary.json").is_file() and (dst / "summary.json").read_bytes() == \
-                    (cell / "summary.json").read_bytes():
-                continue  # already collected
-            dst.mkdir(parents=True, exist_ok=True)
-            for file in ("config.yaml", "summary.json"):
-                shutil.copyfile(cell / file, dst / file)
-            _gzip_copy(cell / "metrics.jsonl", dst / "metrics.jsonl.gz")
-            if (cell / "partition.json").is_file():
-                _gzip_copy(cell / "partition.json", dst / "partition.json.gz")
-            if (cell / "cpu.json").is_file():  # bench/reproduce/cpu_watch.py (the PS runs' cost)
-                shutil.copyfile(cell / "cpu.json", dst / "cpu.json")
-            if str(json.loads((cell / "summary.json").read_text()).get("mode", "")).startswith("flower-"):
-                continue  # a server run: no checkpoints, and its metric is not x̄
-            try:
-                avg = averaged_model_accuracy(cell)
-            except (ReportError, OSError, ValueError) as exc:
-                avg = {"metric": AVERAGED, "error": str(exc)}
-            (dst / "avg_model.json").write_text(json.dumps(avg, indent=2, sort_keys=True) + "\n")
-            copied.append(f"{name}/{cell.name}")
+    for name, cell in _finished_cells(runs):
+        dst = evidence / name / cell.name
+        if (dst / "summary.json").is_file() and (dst / "summary.json").read_bytes() == \
+                (cell / "summary.json").read_bytes():
+            continue  # already collected
+        dst.mkdir(parents=True, exist_ok=True)
+        for file in _COPIED:
+            shutil.copyfile(cell / file, dst / file)
+        _gzip_copy(cell / "metrics.jsonl", dst / "metrics.jsonl.gz")
+        if (cell / "partition.json").is_file():
+            _gzip_copy(cell / "partition.json", dst / "partition.json.gz")
+        if (cell / "cpu.json").is_file():  # bench/reproduce/cpu_watch.py (the PS runs' cost)
+            shutil.copyfile(cell / "cpu.json", dst / "cpu.json")
+        if str(json.loads((cell / "summary.json").read_text()).get("mode", "")).startswith("flower-"):
+            continue  # a server run: no checkpoints, and its metric is not x̄
+        try:
+            avg = averaged_model_accuracy(cell)
+        except (ReportError, OSError, ValueError) as exc:
+            avg = {"metric": AVERAGED, "error": str(exc)}
+        (dst / "avg_model.json").write_text(json.dumps(avg, indent=2, sort_keys=True) + "\n")
+        copied.append(f"{name}/{cell.name}")
     return copied
 
 

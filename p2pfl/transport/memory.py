@@ -110,6 +110,7 @@ class MemoryHub:
         the gRPC receiver refuses such a payload.
         """
         out: dict[str, Message] = {}
+        rejected = set() if rejected is None else rejected
         event = threading.Event()
         reader = _Reader(event.set)
         registered: list[tuple[str, int, int]] = []
@@ -131,6 +132,7 @@ class MemoryHub:
         it would only have gone back to sleep waiting for the gate: two thread switches.)
         """
         out: dict[str, Message] = {}
+        rejected = set() if rejected is None else rejected
         ticket = gate.ticket()
         reader = _Reader(wake=lambda: gate.admit(priority, ticket))
         registered: list[tuple[str, int, int]] = []
@@ -159,7 +161,7 @@ class MemoryHub:
 
     def _collect(self, keys: list[tuple[str, int, int]], deadline: float, out: dict[str, Message],
                  sizes: dict[str, int] | None, reader: _Reader, registered: list[tuple[str, int, int]],
-                 rejected: set[str] | None = None) -> float | None:
+                 rejected: set[str]) -> float | None:
         """Move the stored ``keys`` into ``out``; register ``reader`` for the missing ones.
 
         Call with the lock held. Returns None when the reader is done (all keys, or its deadline),
@@ -172,7 +174,7 @@ class MemoryHub:
         registered.clear()
         missing = []
         for key in keys:
-            if key[0] in out or (rejected is not None and key[0] in rejected):
+            if key[0] in out or key[0] in rejected:
                 continue
             if key in self._board:
                 msg, left, size, ok = self._board[key]
@@ -180,7 +182,7 @@ class MemoryHub:
                     out[key[0]] = msg
                     if sizes is not None:
                         sizes[key[0]] = size
-                elif rejected is not None:
+                else:
                     rejected.add(key[0])
                 if left <= 1:
                     del self._board[key]

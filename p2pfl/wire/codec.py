@@ -303,20 +303,19 @@ def wire_size(msg: Message, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     ~80 us per message inside a simulation worker (cold caches), for the same number every round."""
     count = 0 if msg.indices is None else int(msg.indices.numel())
     r = msg.round
-    round_class = 0 if r == 0 else (r.bit_length() + 6) // 7 if r > 0 else -1
+    # the smallest round with r's varint length (r itself when 0, or negative: never on the wire)
+    rep = r if r <= 0 else 1 << (7 * ((r.bit_length() - 1) // 7))
     scalars = tuple((str(k), float(v)) for k, v in msg.scalars.items())
-    return _sized(msg.sender, round_class, r if round_class == -1 else None, msg.step, msg.topology_hash,
-                  msg.manifest, scalars, msg.compression or "none", count, chunk_bytes)
+    return _sized(msg.sender, rep, msg.step, msg.topology_hash, msg.manifest, scalars,
+                  msg.compression or "none", count, chunk_bytes)
 
 
 @functools.lru_cache(maxsize=4096)
-def _sized(sender: str, round_class: int, negative_round: int | None, step: int, topology_hash: str,
-           manifest: tuple, scalars: tuple[tuple[str, float], ...], compression: str, count: int,
-           chunk_bytes: int) -> int:
-    """`wire_size` of a header of this shape, built for a representative round of ``round_class``."""
-    rep = negative_round if negative_round is not None else (0 if round_class == 0 else 1 << (7 * (round_class - 1)))
+def _sized(sender: str, round: int, step: int, topology_hash: str, manifest: tuple,
+           scalars: tuple[tuple[str, float], ...], compression: str, count: int, chunk_bytes: int) -> int:
+    """`wire_size` of a header of this shape (``round``: the representative of its varint length)."""
     nbytes = encoded_nbytes(manifest, compression, count)
-    probe = Message(sender, rep, step, topology_hash, manifest, torch.empty(0), dict(scalars), compression,
+    probe = Message(sender, round, step, topology_hash, manifest, torch.empty(0), dict(scalars), compression,
                     None if count == 0 else torch.empty(count, dtype=torch.int64))
     return _frames_bytes(_header(probe, nbytes, 0xFFFFFFFF), nbytes, chunk_bytes)
 
