@@ -191,3 +191,54 @@ def test_bad_shapes() -> None:
         build_model("lenet", (1, 8, 8), 10)
     with pytest.raises(ValueError):
         build_model("mlp", (784,), 10)  # type: ignore[arg-type]
+
+
+# -- channels-last activations on a CPU (models.base.channels_last) ------------------------------
+
+
+@pytest.mark.parametrize("name", ["cnn_small", "lenet", "alexnet"])
+def test_conv_nets_pool_channels_last_and_match_the_nchw_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pools see channels-last activations on a CPU; outputs and gradients are the NCHW path's
+    up to float reassociation, and the parameters (views of the flat buffer) stay contiguous."""
+    import sys
+
+    import torch.nn.functional as F
+
+    torch.manual_seed(3)
+    model = build_model(name, (1, 28, 28), 10)
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    seen: list[bool] = []
+    hooks = [m.register_forward_pre_hook(lambda _m, a: seen.append(a[0].is_contiguous(memory_format=torch.channels_last)))
+             for m in model.modules() if isinstance(m, nn.MaxPool2d)]
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        F.cross_entropy(out, y).backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    out_cl, g_cl = step()
+    assert seen and all(seen), "every pool input is channels-last"
+    assert all(p.is_contiguous() and p.grad.is_contiguous() for p in model.parameters())
+    seen.clear()
+    monkeypatch.setattr(sys.modules[type(model).__module__], "channels_last", lambda t: t)
+    out_ref, g_ref = step()
+    assert not any(seen), "the reference path pools NCHW"
+    for h in hooks:
+        h.remove()
+    torch.testing.assert_close(out_cl, out_ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_cl, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+
+
+def test_channels_last_leaves_batched_tensors_and_3d_inputs_alone() -> None:
+    from torch.func import vmap
+
+    from p2pfl.models.base import channels_last
+
+    x = torch.randn(2, 4, 5, 6)
+    assert channels_last(x).is_contiguous(memory_format=torch.channels_last)
+    assert channels_last(x[0]).is_contiguous()  # 3-D: nothing to do
+    # under vmap the tensor a model sees is a per-peer view: returned as it is, values unchanged
+    stacked = torch.randn(3, 2, 4, 5, 6)
+    torch.testing.assert_close(vmap(lambda t: channels_last(t) * 1.0)(stacked), stacked, rtol=0, atol=0)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .base import PersonalModel, ZeroPad, check_input_shape, check_num_classes, conv_out, pad_amounts
+from .base import (
+    PersonalModel,
+    ZeroPad,
+    channels_last,
+    check_input_shape,
+    check_num_classes,
+    conv_out,
+    pad_amounts,
+)
 
 
 class AlexNet(PersonalModel):
@@ -52,7 +60,7 @@ class AlexNet(PersonalModel):
 
     def represent(self, x: Tensor) -> Tensor:
         x = self.pad(x)
-        x = self.pool(self.conv1(x).relu())
+        x = self.pool(channels_last(self.conv1(x)).relu())
         x = self.pool(self.conv2(x).relu())
         x = self.conv3(x).relu()
         x = self.conv4(x).relu()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .base import PersonalModel, check_input_shape, check_num_classes, conv_out
+from .base import PersonalModel, channels_last, check_input_shape, check_num_classes, conv_out
 
 
 def _two_conv_flat(h: int, w: int, kernel: int, name: str) -> tuple[int, int]:
@@ -41,7 +41,7 @@ class LeNet(PersonalModel):
         self.fc3 = nn.Linear(192, num_classes)  # personal head, registered last
 
     def represent(self, x: Tensor) -> Tensor:
-        x = self.pool(self.conv1(x).relu())
+        x = self.pool(channels_last(self.conv1(x)).relu())
         x = self.pool(self.conv2(x).relu())
         x = x.flatten(1)
         x = self.fc1(x).relu()
@@ -79,6 +79,6 @@ class SmallCNN(PersonalModel):
         self.fc2 = nn.Linear(hidden, num_classes)  # personal head, registered last
 
     def represent(self, x: Tensor) -> Tensor:
-        x = self.pool(self.conv1(x).relu())
+        x = self.pool(channels_last(self.conv1(x)).relu())
         x = self.pool(self.conv2(x).relu())
         return self.fc1(x.flatten(1)).relu()
