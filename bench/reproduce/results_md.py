@@ -141,9 +141,12 @@ def folder(file: str) -> str:
     return f"t1-{file}"
 
 
-#: Ring, pi 0.1 is split in three files (DePRL first, then seed 0 of every other method, then seeds 1-2).
-_SPLIT = {("ring", 0.1): ("ring-pi0.1", "ring-pi0.1-seed0", "ring-pi0.1-seeds12")}
-SWEEPS = tuple(SweepDef(_SPLIT.get((g, pi), (f"{g}-pi{pi}",)), "deprl-t1", g, pi) for g, _ in GRAPHS for pi in PIS) + (
+def split(stem: str) -> tuple[str, str, str]:
+    """A Table 1 group's three files: DePRL (3 seeds), then seed 0 of every other method, then their seeds 1-2."""
+    return (stem, f"{stem}-seed0", f"{stem}-seeds12")
+
+
+SWEEPS = tuple(SweepDef(split(f"{g}-pi{pi}"), "deprl-t1", g, pi) for g, _ in GRAPHS for pi in PIS) + (
     SweepDef(("smoke-ring-pi0.1", "smoke-ring-pi0.1-seeds12"), "deprl-t1-smoke", "ring", 0.1),
 ) + tuple(SweepDef((f"ps-ring-pi{pi}",), "deprl-t7", "ring", pi) for pi in PIS) + (
     SweepDef(("ps-smoke-ring-pi0.1", "ps-smoke-ring-pi0.1-ditto", "ps-smoke-ring-pi0.1-fedrod"), "deprl-t7-smoke",
@@ -540,12 +543,13 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         "bench/reproduce/table1/run.sh ps-ring-pi0.1 ps-ring-pi0.3 ps-ring-pi0.5     # FedAvg, FedRep on Flower (Table 7)",
         ".venv/bin/python bench/reproduce/results_md.py   # collect finished runs, write results.json/.md + plots",
         "```", "",
-        "Each sweep file `bench/reproduce/table1/<graph>-pi<π>.yaml` holds one Table 1 column group: DePRL, DisPFL, "
-        "D-PSGD and the literal DePRL variant, seeds 0, 1, 2 (Ring π 0.1 is split: `ring-pi0.1.yaml` DePRL, then "
-        "`ring-pi0.1-seed0.yaml` seed 0 of every other method, then `ring-pi0.1-seeds12.yaml`, so that one seed of every "
-        "method lands before more seeds of any); an interrupted cell continues from the last round every "
-        "peer checkpointed (`p2pfl/resume.py`). The code runs from a snapshot of one commit (`runs/reproduce/code-<sha>`); "
-        "results do not depend on which (simulate is bitwise reproducible across these commits, `tests/`). "
+        "Each Table 1 column group (graph, π) is three sweep files under `bench/reproduce/table1/`, run in this order: "
+        "`<graph>-pi<π>.yaml` DePRL (epochs reading), seeds 0, 1, 2; `<graph>-pi<π>-seed0.yaml` seed 0 of D-PSGD, the "
+        "literal DePRL and DisPFL (cheapest first); `<graph>-pi<π>-seeds12.yaml` their seeds 1 and 2. So one seed of every "
+        "method lands before more seeds of any. An interrupted cell continues from the last round every "
+        "peer checkpointed (`p2pfl/resume.py`). The code runs from a snapshot of one commit (`runs/reproduce/code-<sha>`). "
+        "Within a commit simulate is bitwise reproducible; from c5d43257a96d on, the conv nets pool channels-last "
+        "activations on a CPU, which changes results only by float reassociation (`bench/model_layout.py`). "
         "`ps-ring-pi<π>.yaml` holds the parameter-server baselines of the same partition (cases with `flower:`, run by "
         "`p2pfl flower` on Flower's runtime); they keep no checkpoints, so an interrupted one reruns from round 0.",
         "",

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # DePRL Table 1 (Fashion-MNIST) at the papers' protocols, in priority order: the Ring column
-# (pi 0.1, 0.3, 0.5), then Random, then FC; in each sweep DePRL (epochs), DisPFL, D-PSGD, then the
-# literal DePRL-steps variant, seeds 0-2. Resumable: rerun it; finished cells are skipped and an
-# interrupted cell continues from the last round every peer checkpointed (p2pfl/resume.py). Cells whose
-# evidence is committed (docs/results/runs/) count as finished on a fresh checkout too (results_md.py
-# --restore puts them back under runs/reproduce first).
+# (pi 0.1, 0.3, 0.5), then Random, then FC; each (graph, pi) as three sweep files: DePRL (epochs) seeds
+# 0-2, then seed 0 of D-PSGD, the literal DePRL-steps variant and DisPFL, then their seeds 1-2.
+# Resumable: rerun it; finished cells are skipped and an interrupted cell continues from the last
+# round every peer checkpointed (p2pfl/resume.py). Cells whose evidence is committed
+# (docs/results/runs/) count as finished on a fresh checkout too (results_md.py --restore puts them
+# back under runs/reproduce first).
 #
-#   bench/reproduce/table1/run.sh                       # the 9 protocol sweeps, in order
+#   bench/reproduce/table1/run.sh                       # the 27 protocol sweep files, in order
 #   bench/reproduce/table1/run.sh smoke-ring-pi0.1      # named sweeps of this folder only
 #   COMMIT=<sha> bench/reproduce/table1/run.sh          # run another commit's code
 #
@@ -30,7 +31,7 @@ echo "$SHA" > "$OUT/code.current"
 # A fresh checkout has no runs/: put the committed finished cells back, so they are not run again.
 "$PY" "$ROOT/bench/reproduce/results_md.py" --restore --runs "$OUT" >> "$OUT/table1-progress.log" 2>&1
 if [ $# -eq 0 ]; then
-  set -- ring-pi0.1 ring-pi0.1-seed0 ring-pi0.1-seeds12 ring-pi0.3 ring-pi0.5 random-pi0.1 random-pi0.3 random-pi0.5 fc-pi0.1 fc-pi0.3 fc-pi0.5
+  for g in ring random fc; do for pi in 0.1 0.3 0.5; do set -- "$@" "$g-pi$pi" "$g-pi$pi-seed0" "$g-pi$pi-seeds12"; done; done
 fi
 cd "$CODE"
 for sweep in "$@"; do
