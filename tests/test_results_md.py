@@ -93,3 +93,11 @@ def test_restore_puts_committed_cells_back_so_a_fresh_checkout_does_not_rerun_th
     assert sweep.cell_state(back, planned) == "finished"
     assert rmd.restore(fresh, evidence) == []  # present: left alone
     assert rmd.collect(fresh, evidence) == []  # and not collected again
+    # the evidence folder copied as it is (metrics still gzipped): the sweep would rerun it from round 0
+    packed = tmp_path / "packed" / name / "deprl-epochs__seed=0"
+    shutil.copytree(evidence / name / "deprl-epochs__seed=0", packed)
+    assert sweep.cell_state(packed, planned) == "interrupted"
+    assert rmd.restore(tmp_path / "packed", evidence) == [f"{name}/deprl-epochs__seed=0"]
+    assert (packed / "metrics.jsonl").read_bytes() == (cell / "metrics.jsonl").read_bytes()
+    assert sweep.cell_state(packed, planned) == "finished"
+    assert rmd.restore(tmp_path / "packed", evidence) == []

@@ -195,24 +195,43 @@ def restore(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
     ``config.yaml``, ``summary.json`` and ``metrics.jsonl`` (and ``partition.json``) back, so that a
     sweep on a fresh checkout counts it as finished instead of running it again (hours each).
     A cell folder already under ``runs`` (finished, or interrupted with its checkpoints) is left
-    alone. Returns the cells restored. ``collect`` then skips them (same ``summary.json``)."""
+    alone, except a copy of the evidence itself (the same ``summary.json``, still gzipped): the
+    sweep would take it for an interrupted cell without checkpoints and run it again from round 0,
+    so its files are unpacked in place. Returns the cells restored. ``collect`` then skips them
+    (same ``summary.json``)."""
     restored = []
     for name, cell in _finished_cells(evidence):
         dst = runs / name / cell.name
         if dst.exists():
+            if _packed_copy(dst, cell):
+                _unpack(cell, dst)
+                restored.append(f"{name}/{cell.name}")
             continue
         tmp = dst.with_name(dst.name + ".restoring")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for file in _COPIED:
             shutil.copyfile(cell / file, tmp / file)
-        for gz in ("metrics.jsonl", "partition.json"):
-            if (cell / f"{gz}.gz").is_file():
-                with gzip.open(cell / f"{gz}.gz", "rb") as f, open(tmp / gz, "wb") as out:
-                    shutil.copyfileobj(f, out)
+        _unpack(cell, tmp)
         tmp.rename(dst)  # whole or absent: a kill mid-restore leaves only the .restoring folder
         restored.append(f"{name}/{cell.name}")
     return restored
+
+
+def _packed_copy(dst: Path, cell: Path) -> bool:
+    """Whether ``dst`` is committed evidence copied as it is (same summary, metrics still gzipped)."""
+    return (not (dst / "metrics.jsonl").is_file() and (dst / "summary.json").is_file()
+            and (dst / "summary.json").read_bytes() == (cell / "summary.json").read_bytes())
+
+
+def _unpack(cell: Path, dst: Path) -> None:
+    """The evidence's gzipped files, uncompressed into ``dst`` (metrics last: it marks the cell finished)."""
+    for gz in ("partition.json", "metrics.jsonl"):
+        if (cell / f"{gz}.gz").is_file():
+            part = dst / f"{gz}.part"
+            with gzip.open(cell / f"{gz}.gz", "rb") as f, open(part, "wb") as out:
+                shutil.copyfileobj(f, out)
+            part.replace(dst / gz)
 
 
 def collect(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
