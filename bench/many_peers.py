@@ -32,12 +32,12 @@ activations on a CPU (``models.base.channels_last``, ``bench/model_layout.py``: 
 build the same model: ``--rounds 50 --engines exact,loop``, two interleaved pairs against the code
 before it (d764212): exact 0.732/0.727 -> 0.627/0.651 s per round, 1.333/1.309 -> 1.136/1.167 CPU s
 per round, total 41.2 -> 36.0 s; loop 0.703/0.706 -> 0.590/0.599 s per round. Against the loop:
-wall 1.042x/1.030x -> 1.063x/1.086x, CPU 1.097x/1.065x -> 1.104x/1.135x, PSS 1.15x either way.
+wall 1.042x/1.030x -> 1.063x/1.086x, CPU 1.097x/1.065x -> 1.104x/1.135x, PSS 1.15x/1.11x -> 1.14x/1.17x.
 Final accuracy unchanged (0.69451448). Where the CPU gap is, by shared object (``perf record -g``
 on both workers, 15 s of a steady 40-round run, before this change): libtorch and oneDNN's JIT
 kernels take the same absolute time in both (exact 76.4% of its samples, loop 82.3% of a total
 1.067x smaller); the difference is the Python interpreter (exact +3.7 points of the loop's
-CPU), malloc (+1.9: ``_int_malloc`` in one arena shared by 64 peer threads) and the kernel
+CPU), malloc (libc +1.9, nearly all malloc: ``_int_malloc`` in one arena shared by 64 peer threads) and the kernel
 (+1.1: thread switches). That is the cost of running every peer as a deployed Node (its own
 thread, transport, records, checkpoints), which is what keeps the engine bitwise equal to launch.
 Tried: fixed malloc thresholds and a 16 MB top pad (MALLOC_MMAP_THRESHOLD_/TRIM_THRESHOLD_/TOP_PAD_):
