@@ -98,7 +98,9 @@ def test_kill9_and_restart_at_a_random_instant_rejoins_within_two_rounds(tmp_pat
     """p3 is killed -9 at a random instant and restarted: it resumes from its checkpoint, its metrics hold
     every round exactly once, and two rounds after it is back nobody mixes without it."""
     rounds = 20
-    rng = random.Random(os.environ.get("P2PFL_FAULT_SEED", time.time_ns()))
+    seed = os.environ.get("P2PFL_FAULT_SEED", str(time.time_ns()))
+    print(f"P2PFL_FAULT_SEED={seed}")  # shown with a failure: rerun the same kill instants with it
+    rng = random.Random(seed)
     # The neighbours wait for it within the deadline: generous, as a restart on a loaded machine is slow.
     cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds, network={"round_timeout_s": 90.0})
     out = tmp_path / "run"
