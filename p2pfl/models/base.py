@@ -86,7 +86,6 @@ class ZeroPad(nn.Module):
         return f"pad={self.pad}"
 
 
-
 def channels_last(x: Tensor) -> Tensor:
     """``x`` in channels-last memory on a CPU (a conv output, before its ReLU); as it is elsewhere.
 
