@@ -82,6 +82,8 @@ class Node:
         self.generator = generator
         self.seed = seed
         self.rounds = rounds
+        if transport is not None:  # the batched engine drives the node's state without one
+            transport.final_round = rounds - 1  # push-sum settles in full there (no later push)
         self.deadline_s = deadline_s
         self.record = record
         self.eval_every = eval_every

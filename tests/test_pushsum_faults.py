@@ -156,6 +156,35 @@ def test_the_ledger_settles_a_rolled_back_receiver_and_a_rolled_back_sender(cert
         assert all(abs(given[e] - absorbed[e]) < 1e-12 for e in given), (given, absorbed)
 
 
+def test_in_the_last_round_a_debt_above_the_per_step_cap_is_settled_in_full(certs_dir: Path) -> None:
+    """The CI failure of 0a25630, in process: a sender owes more than half of what it keeps, and the
+    push that settles it is its last (round 7 of 8). There is no next push for the rest, so the
+    last round pays it all: the edge's totals agree and sum(mu) = n at the end."""
+    from tests.test_grpc_peer import cluster, message, ring
+
+    topo = ring(4)
+    mu = {"mu": 1.0}
+    with cluster(topo, topo.ids, certs_dir, mode="push", scalar_keys=("mu",)) as c:
+        for p in topo.ids:
+            c.transports[p].final_round = 1
+        res = c.exchange_all({p: message(topo, p, 0, scalars=mu) for p in topo.ids})
+        assert {x.mu_settle for x in res.values()} == {0.0}
+        plan = topo.plan("p2", 1, 0, mode="push")
+        keep = plan.self_weight  # mu = 1 and every push is mixed
+        debt = 0.75 * keep  # above the per-step cap (half of what it keeps), below all of it
+        led = c.transports["p2"].ledger_state()
+        assert led is not None
+        k = sorted(led["given"])[0]
+        c.transports["p2"].restore_ledger({"given": {**led["given"], k: led["given"][k] - debt},
+                                           "absorbed": led["absorbed"]})
+        res = c.exchange_all({p: message(topo, p, 1, scalars=mu) for p in topo.ids})
+        assert res["p2"].mu_settle == pytest.approx(-debt, abs=1e-12) and -debt < -0.5 * keep
+        assert all(x.mu_settle == 0.0 for p, x in res.items() if p != "p2"), res
+        given = {(k, p): g for p in topo.ids for k, g in (c.transports[p].ledger_state() or {})["given"].items()}
+        absorbed = {(k, j): a for k in topo.ids for j, a in c.transports[k].server.absorbed().items()}
+        assert all(abs(given[e] - absorbed[e]) < 1e-12 for e in given), (given, absorbed)
+
+
 @pytest.fixture(scope="module")
 def certs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from p2pfl.security import make_certs

@@ -44,6 +44,9 @@ class Transport(ABC):
     chunk_bytes: int = 1 << 20
     #: Whether ``exchange`` takes ``withhold=True`` (push-sum: keep the whole share this step).
     can_withhold: bool = False
+    #: The run's last round (set by the Node). Push-sum: a debt the ledger finds there is paid in
+    #: full, since no later push would settle the rest (docs/protocol.md, "Push-sum mass").
+    final_round: int | None = None
 
     def configure_wire(self, fmt: WireFormat, chunk_bytes: int | None = None) -> None:
         """Set the run's wire format (and chunk size) before the first exchange."""

@@ -67,6 +67,9 @@ _LINGER_DOWN_S = 60.0
 #: Of what a sender keeps in one step, at most this fraction settles a debt to a receiver (the rest
 #: next time), so settling never drives its weight to 0.
 _SETTLE_FRACTION = 0.5
+#: In the run's last round no later push settles the rest and no later step trains with lr / mu, so
+#: the debt is paid from all the sender keeps but this fraction (z = u / mu needs mu > 0).
+_FINAL_RESERVE = 2.0 ** -20
 
 
 def backoff_s(attempt: int) -> float:
@@ -449,9 +452,12 @@ class GrpcTransport(Transport):
                       undelivered: list[str], tag: str) -> float:
         """Add this step's delivered shares to the running totals given; return the weight this peer
         still owes (a receiver absorbed more than this peer's state gave it: a push mixed there whose
-        answer this peer lost, e.g. in its own restart from an older checkpoint)."""
+        answer this peer lost, e.g. in its own restart from an older checkpoint). At most half of what
+        it keeps per step (the rest on its next push), all but a sliver in the run's last round."""
         mu = float(message.scalars.get("mu", 0.0))
-        budget = _SETTLE_FRACTION * mu * (plan.self_weight + sum(plan.out_weights[k] for k in undelivered))
+        keep = mu * (plan.self_weight + sum(plan.out_weights[k] for k in undelivered))
+        last = self.final_round is not None and message.round >= self.final_round
+        budget = keep * ((1.0 - _FINAL_RESERVE) if last else _SETTLE_FRACTION)
         owed = 0.0
         with self._lock:
             for k, (ok, absorbed) in fates.items():
