@@ -101,3 +101,40 @@ def test_restore_puts_committed_cells_back_so_a_fresh_checkout_does_not_rerun_th
     assert (packed / "metrics.jsonl").read_bytes() == (cell / "metrics.jsonl").read_bytes()
     assert sweep.cell_state(packed, planned) == "finished"
     assert rmd.restore(tmp_path / "packed", evidence) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_claim_is_judged_in_its_papers_metric_from_the_committed_cells(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DFedADMM's claim is in x̄ (avg_model.json), not the personalized curve: each planned cell's evidence
+    found by its sweep cell name, mean ± std over the seeds finished, the ranking's verdict from them."""
+    claim = next(c for c in rmd.CLAIMS if c.file == "dfedadmm")
+    assert claim.metric == rmd.AVERAGED
+    cell = tmp_path / "runs" / claim.folder / "dfedadmm__seed=0"
+    simulate(load_config(tiny_config(tmp_path, rounds=1)), cell, progress=False)
+    evidence = tmp_path / "evidence"
+    assert rmd.collect(tmp_path / "runs", evidence) == [f"{claim.folder}/dfedadmm__seed=0"]  # claims are collected
+    monkeypatch.setattr(rmd, "EVIDENCE", evidence)
+    monkeypatch.setattr(rmd, "ROOT", tmp_path)
+    src = evidence / claim.folder / "dfedadmm__seed=0"
+    x_bar = {"dfedadmm": (0.80, 0.81, 0.82), "dfedavg": (0.70, 0.71)}  # dfedavg seed 2 not finished
+    for case, accs in x_bar.items():
+        for seed, acc in enumerate(accs):
+            dst = evidence / claim.folder / f"{case}__seed={seed}"
+            if dst != src:
+                shutil.copytree(src, dst)
+            (dst / "avg_model.json").write_text(json.dumps({"acc": acc}))
+            cfg = yaml.safe_load((dst / "config.yaml").read_text())
+            (dst / "config.yaml").write_text(yaml.safe_dump({**cfg, "seed": seed}))
+    out = rmd.claim_results(claim)
+    (setting,) = out["settings"]
+    assert setting["setting"] == "random-pull-100"
+    admm, avg = setting["methods"]
+    assert (admm["method"], admm["ours_mean"], admm["ours_std"], admm["status"]) == ("DFedADMM", 81.0, 1.0, "done")
+    assert (avg["ours_mean"], avg["status"], avg["seeds"]) == (70.5, "2 of 3 seeds", [0, 1])
+    assert admm["personalized"]["mean"] != admm["ours_mean"]  # the curve's number is kept apart
+    (order,) = setting["orderings"]
+    assert (order["claim"], order["diff_pts"], order["result"]) == ("DFedADMM > DFedAvg", 10.5, "holds")
+    assert out["status"] == "1 of 2 methods done"
+    doc = "\n".join(rmd.claims_section([out]))
+    assert "| random-pull-100 | DFedADMM > DFedAvg | +10.50 | +2.94 | holds |" in doc

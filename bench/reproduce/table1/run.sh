@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # DePRL Table 1 (Fashion-MNIST) at the papers' protocols, in priority order: the Ring column
-# (pi 0.1, 0.3, 0.5), then Random, then FC; each (graph, pi) as three sweep files: DePRL (epochs) seeds
-# 0-2, then seed 0 of D-PSGD, the literal DePRL-steps variant and DisPFL, then their seeds 1-2.
+# (pi 0.1, 0.3, 0.5), then the other papers' claims (../claims/: DFedMDC, DFedPGP, DFedADMM, DFedSAM,
+# seeds 0-2, about 5 hours in all), then Random, then FC; each (graph, pi) as three sweep files: DePRL
+# (epochs) seeds 0-2, then seed 0 of D-PSGD, the literal DePRL-steps variant and DisPFL, then their seeds 1-2.
 # Resumable: rerun it; finished cells are skipped and an interrupted cell continues from the last
 # round every peer checkpointed (p2pfl/resume.py). Cells whose evidence is committed
 # (docs/results/runs/) count as finished on a fresh checkout too (results_md.py --restore puts them
 # back under runs/reproduce first).
 #
-#   bench/reproduce/table1/run.sh                       # the 27 protocol sweep files, in order
+#   bench/reproduce/table1/run.sh                       # the 27 protocol sweep files and 4 claims, in order
 #   bench/reproduce/table1/run.sh smoke-ring-pi0.1      # named sweeps of this folder only
+#   bench/reproduce/table1/run.sh claims/dfedadmm       # a claim's sweep (bench/reproduce/claims/)
 #   COMMIT=<sha> bench/reproduce/table1/run.sh          # run another commit's code
 #
 # The code runs from a snapshot of one commit under runs/reproduce/code-<sha> (remembered in
@@ -31,13 +33,19 @@ echo "$SHA" > "$OUT/code.current"
 # A fresh checkout has no runs/: put the committed finished cells back, so they are not run again.
 "$PY" "$ROOT/bench/reproduce/results_md.py" --restore --runs "$OUT" >> "$OUT/table1-progress.log" 2>&1
 if [ $# -eq 0 ]; then
-  for g in ring random fc; do for pi in 0.1 0.3 0.5; do set -- "$@" "$g-pi$pi" "$g-pi$pi-seed0" "$g-pi$pi-seeds12"; done; done
+  for g in ring random fc; do
+    for pi in 0.1 0.3 0.5; do set -- "$@" "$g-pi$pi" "$g-pi$pi-seed0" "$g-pi$pi-seeds12"; done
+    [ "$g" = ring ] && set -- "$@" claims/dfedmdc claims/dfedpgp claims/dfedadmm claims/dfedsam
+  done
 fi
 cd "$CODE"
 for sweep in "$@"; do
-  name="t1-$sweep"
+  case "$sweep" in
+    claims/*) name="claims-${sweep#claims/}"; file="bench/reproduce/$sweep.yaml" ;;
+    *) name="t1-$sweep"; file="bench/reproduce/table1/$sweep.yaml" ;;
+  esac
   echo "== $(date -u +%FT%TZ) $name (code $SHA)" >> "$OUT/table1-progress.log"
-  nice -n 19 "$PY" -m p2pfl.cli sweep "bench/reproduce/table1/$sweep.yaml" --out "$OUT/$name" --quiet \
+  nice -n 19 "$PY" -m p2pfl.cli sweep "$file" --out "$OUT/$name" --quiet \
     >> "$OUT/$name.log" 2>&1
   echo "   exit $?" >> "$OUT/table1-progress.log"
 done
