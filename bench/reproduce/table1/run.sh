@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # DePRL Table 1 (Fashion-MNIST) at the papers' protocols, in priority order: the Ring column
 # (pi 0.1, 0.3, 0.5), then the other papers' claims (../claims/: DFedMDC, DFedPGP, DFedADMM, DFedSAM,
-# seeds 0-2, about 5 hours in all), then Random, then FC; each (graph, pi) as three sweep files: DePRL
+# seeds 0-2, about 5 hours in all), then the parameter-server baselines of Ring pi 0.1 on Flower
+# (ps-ring-pi0.1.yaml, DePRL Table 7), then Random, then FC; each (graph, pi) as three sweep files: DePRL
 # (epochs) seeds 0-2, then seed 0 of D-PSGD, the literal DePRL-steps variant and DisPFL, then their seeds 1-2.
 # Resumable: rerun it; finished cells are skipped and an interrupted cell continues from the last
 # round every peer checkpointed (p2pfl/resume.py). Cells whose evidence is committed
 # (docs/results/runs/) count as finished on a fresh checkout too (results_md.py --restore puts them
 # back under runs/reproduce first).
 #
-#   bench/reproduce/table1/run.sh                       # the 27 protocol sweep files and 4 claims, in order
+#   bench/reproduce/table1/run.sh                       # the 27 protocol files, 4 claims, PS pi 0.1, in order
 #   bench/reproduce/table1/run.sh smoke-ring-pi0.1      # named sweeps of this folder only
 #   bench/reproduce/table1/run.sh claims/dfedadmm       # a claim's sweep (bench/reproduce/claims/)
 #   COMMIT=<sha> bench/reproduce/table1/run.sh          # run another commit's code
@@ -35,7 +36,7 @@ echo "$SHA" > "$OUT/code.current"
 if [ $# -eq 0 ]; then
   for g in ring random fc; do
     for pi in 0.1 0.3 0.5; do set -- "$@" "$g-pi$pi" "$g-pi$pi-seed0" "$g-pi$pi-seeds12"; done
-    [ "$g" = ring ] && set -- "$@" claims/dfedmdc claims/dfedpgp claims/dfedadmm claims/dfedsam
+    [ "$g" = ring ] && set -- "$@" claims/dfedmdc claims/dfedpgp claims/dfedadmm claims/dfedsam ps-ring-pi0.1
   done
 fi
 cd "$CODE"
