@@ -185,6 +185,21 @@ def test_in_the_last_round_a_debt_above_the_per_step_cap_is_settled_in_full(cert
         assert all(abs(given[e] - absorbed[e]) < 1e-12 for e in given), (given, absorbed)
 
 
+def test_the_node_tells_its_transport_which_round_is_the_last(tmp_path: Path) -> None:
+    """What the last-round settlement above keys on: set by the Node from the run's rounds."""
+    from p2pfl.config import load_config
+    from p2pfl.experiment import Experiment
+    from p2pfl.modelpool import ModelPool
+    from p2pfl.transport.memory import MemoryHub, MemoryTransport
+
+    exp = Experiment.from_config(load_config(tiny_config(tmp_path, rounds=5, algorithm=PUSH)))
+    transport = MemoryTransport(MemoryHub(), "p1")
+    assert transport.final_round is None
+    exp.make_node("p1", transport=transport, models=ModelPool(exp.model_factory, 1), record=lambda r: None,
+                  run_dir=None)
+    assert transport.final_round == 4
+
+
 @pytest.fixture(scope="module")
 def certs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from p2pfl.security import make_certs
