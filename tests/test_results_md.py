@@ -138,3 +138,15 @@ def test_a_claim_is_judged_in_its_papers_metric_from_the_committed_cells(
     assert out["status"] == "1 of 2 methods done"
     doc = "\n".join(rmd.claims_section([out]))
     assert "| random-pull-100 | DFedADMM > DFedAvg | +10.50 | +2.94 | holds |" in doc
+
+
+def test_a_named_variant_is_judged_against_the_neighbours_of_the_case_it_stands_for(tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rmd, "EVIDENCE", tmp_path)  # nothing finished
+    out = rmd.claim_results(next(c for c in rmd.CLAIMS if c.file == "dfedmdc"))
+    (setting,) = out["settings"]
+    assert [o["claim"] for o in setting["orderings"]] == [
+        "DFedSMDC > DFedMDC", "DFedMDC > DFedAvgM", "DFedAvgM > Local", "DFedSMDC (ρ 0.05) > DFedMDC"]
+    assert {o["result"] for o in setting["orderings"]} == {rmd.NOT_RUN} and out["status"] == rmd.NOT_RUN
+    variant = next(m for m in setting["methods"] if m["variant_of"])
+    assert (variant["case"], variant["paper"], variant["seeds_planned"]) == ("dfedsmdc-rho0.05", 87.67, [0, 1, 2])

@@ -167,6 +167,8 @@ class ClaimDef:
     ranking: tuple[tuple[str, str], ...]  # (case, label), the paper's best first
     paper: tuple[tuple[str, tuple[float, ...]], ...]  # (setting, accuracy per case of ``ranking``)
     source: str
+    #: named variants: (case, label, the ranked case it stands in for); judged against the same neighbours
+    variants: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def folder(self) -> str:
@@ -189,7 +191,8 @@ CLAIMS = (
     ClaimDef("dfedmdc", "dfedmdc-t2", PERSONALIZED,
              (("dfedsmdc", "DFedSMDC"), ("dfedmdc", "DFedMDC"), ("dfedavgm", "DFedAvgM"), ("local", "Local")),
              (("random-pull-100", (87.67, 86.50, 82.60, 63.20)),),
-             "DFedMDC Table 2, CIFAR-10 Dir 0.3 (ResNet-18, 500 rounds, 5 epochs; spec 000 §5)"),
+             "DFedMDC Table 2, CIFAR-10 Dir 0.3 (ResNet-18, 500 rounds, 5 epochs; spec 000 §5)",
+             (("dfedsmdc-rho0.05", "DFedSMDC (ρ 0.05)", "dfedsmdc"),)),
     ClaimDef("dfedpgp", "dfedpgp-t6", PERSONALIZED, (("dfedpgp", "DFedPGP"), ("dfedavgm", "DFedAvgM")),
              (("random-pull-100", (49.16, 41.94)),),
              "DFedPGP Table 6, Tiny-ImageNet pathological 10 classes per client (spec 001 §4); here 2 of "
@@ -449,7 +452,10 @@ def claim_results(claim: ClaimDef) -> dict[str, Any]:
     settings = []
     for setting, paper in claim.paper:
         methods = []
-        for (case, label), paper_acc in zip(claim.ranking, paper, strict=True):
+        paper_of = dict(zip((c for c, _ in claim.ranking), paper, strict=True))
+        entries = [(case, label, paper_of[case], "") for case, label in claim.ranking]
+        entries += [(case, label, paper_of[stands], stands) for case, label, stands in claim.variants]
+        for case, label, paper_acc, stands_for in entries:
             where = planned.get((setting, case), [])
             done = [e for e in (read_evidence(EVIDENCE / claim.folder / name) for _, name in where) if e is not None]
             personal = _mean_std([100 * e.final for e in done])
@@ -457,7 +463,7 @@ def claim_results(claim: ClaimDef) -> dict[str, Any]:
             mean, std = averaged if claim.metric == AVERAGED else personal
             flat, gain = flattened([e.curve for e in done], rounds or 0)
             methods.append({
-                "case": case, "method": label, "ours_mean": _r(mean), "ours_std": _r(std),
+                "case": case, "method": label, "variant_of": stands_for, "ours_mean": _r(mean), "ours_std": _r(std),
                 "seeds": [e.seed for e in done], "seeds_planned": [s for s, _ in where],
                 "status": ("done" if done and len(done) == len(where)
                            else (f"{len(done)} of {len(where)} seeds" if done else NOT_RUN)),
@@ -468,8 +474,14 @@ def claim_results(claim: ClaimDef) -> dict[str, Any]:
                 "wall_seconds_per_round": [_r(e.wall_seconds_per_round, 1) for e in done],
                 "runs": [e.path for e in done],
             })
+        ranked = [m for m in methods if not m["variant_of"]]
+        judged = list(zip(ranked, ranked[1:], strict=False))
+        for v in (m for m in methods if m["variant_of"]):  # a variant against its case's neighbours
+            i = [m["case"] for m in ranked].index(v["variant_of"])
+            judged += [(ranked[i - 1], v)] if i > 0 else []
+            judged += [(v, ranked[i + 1])] if i + 1 < len(ranked) else []
         pairs = []
-        for a, b in zip(methods, methods[1:], strict=False):
+        for a, b in judged:
             diff, result = verdict(a, b)
             pairs.append({"claim": f"{a['method']} > {b['method']}", "diff_pts": diff, "result": result,
                           "paper_diff_pts": round(a["paper"] - b["paper"], 2)})
