@@ -58,6 +58,14 @@ def finish(procs: dict[str, subprocess.Popen], tmp: Path, limit: float = 150) ->
         assert p.wait(limit) == 0, (tmp / f"{pid}.log").read_text()[-3000:]
 
 
+def fault_rng() -> random.Random:
+    """The random kill instants of a fault test: seeded by ``P2PFL_FAULT_SEED`` when set, else by the
+    clock; the seed is printed (shown with a failure) so the same instants can be rerun."""
+    seed = os.environ.get("P2PFL_FAULT_SEED", str(time.time_ns()))
+    print(f"P2PFL_FAULT_SEED={seed}")
+    return random.Random(seed)
+
+
 def rounds_of(out: Path, pid: str) -> list[int]:
     return [r["round"] for r in records(out / f"metrics-{pid}.jsonl")]
 
@@ -98,9 +106,7 @@ def test_kill9_and_restart_at_a_random_instant_rejoins_within_two_rounds(tmp_pat
     """p3 is killed -9 at a random instant and restarted: it resumes from its checkpoint, its metrics hold
     every round exactly once, and two rounds after it is back nobody mixes without it."""
     rounds = 20
-    seed = os.environ.get("P2PFL_FAULT_SEED", str(time.time_ns()))
-    print(f"P2PFL_FAULT_SEED={seed}")  # shown with a failure: rerun the same kill instants with it
-    rng = random.Random(seed)
+    rng = fault_rng()
     # The neighbours wait for it within the deadline: generous, as a restart on a loaded machine is slow.
     cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds, network={"round_timeout_s": 90.0})
     out = tmp_path / "run"

@@ -11,16 +11,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from tests.conftest import tiny_config
-from tests.test_gossip_faults import PEERS, assert_each_round_once, finish, peers, wait_rounds
+from tests.test_gossip_faults import PEERS, assert_each_round_once, fault_rng, finish, peers, wait_rounds
 from tests.test_launch import _node, free_base_port, records
 
 PUSH = {"name": "dfedpgp", "mix_mode": "push", "body_local": 1, "head_local": 1}
@@ -52,6 +52,14 @@ def assert_mass_and_finite(out: Path, rounds: int) -> list[dict]:
     return recs
 
 
+def edge_totals(c: Any, ids: list[str]) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]]:
+    """Every edge's push-sum running totals in an in-process cluster, keyed (receiver, sender): given
+    (sender side) and absorbed (receiver side)."""
+    given = {(k, p): g for p in ids for k, g in (c.transports[p].ledger_state() or {})["given"].items()}
+    absorbed = {(k, j): a for k in ids for j, a in c.transports[k].server.absorbed().items()}
+    return given, absorbed
+
+
 def kill(procs: dict, pid: str) -> None:
     os.killpg(procs[pid].pid, signal.SIGKILL)
     procs[pid].wait(10)
@@ -63,9 +71,7 @@ def test_both_ends_of_an_edge_killed_at_random_instants_lose_no_mass(tmp_path: P
     at nearly the same random instant (either may have mixed, answered, heard or checkpointed) and
     restarted at different times. The ledger settles the edge on its next push: sum(mu) = n at the end."""
     rounds = 8
-    seed = os.environ.get("P2PFL_FAULT_SEED", str(time.time_ns()))
-    print(f"P2PFL_FAULT_SEED={seed}")  # shown with a failure: rerun the same kill instants with it
-    rng = random.Random(seed)
+    rng = fault_rng()
     cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds, kind="directed_ring", algorithm=PUSH,
                       network={"round_timeout_s": 6.0, "probe_s": 0.5})
     out = tmp_path / "run"
@@ -150,8 +156,7 @@ def test_the_ledger_settles_a_rolled_back_receiver_and_a_rolled_back_sender(cert
             paid -= s["p2"]
         assert paid == pytest.approx(owed, abs=1e-12)
         # settled: every edge's totals agree again
-        given = {(k, p): g for p in topo.ids for k, g in (c.transports[p].ledger_state() or {})["given"].items()}
-        absorbed = {(k, j): a for k in topo.ids for j, a in c.transports[k].server.absorbed().items()}
+        given, absorbed = edge_totals(c, topo.ids)
         assert given.keys() == absorbed.keys()
         assert all(abs(given[e] - absorbed[e]) < 1e-12 for e in given), (given, absorbed)
 
@@ -180,8 +185,7 @@ def test_in_the_last_round_a_debt_above_the_per_step_cap_is_settled_in_full(cert
         res = c.exchange_all({p: message(topo, p, 1, scalars=mu) for p in topo.ids})
         assert res["p2"].mu_settle == pytest.approx(-debt, abs=1e-12) and -debt < -0.5 * keep
         assert all(x.mu_settle == 0.0 for p, x in res.items() if p != "p2"), res
-        given = {(k, p): g for p in topo.ids for k, g in (c.transports[p].ledger_state() or {})["given"].items()}
-        absorbed = {(k, j): a for k in topo.ids for j, a in c.transports[k].server.absorbed().items()}
+        given, absorbed = edge_totals(c, topo.ids)
         assert all(abs(given[e] - absorbed[e]) < 1e-12 for e in given), (given, absorbed)
 
 

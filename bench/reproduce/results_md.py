@@ -342,6 +342,13 @@ def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
+def status(done: int, planned: int, unit: str = "seeds") -> str:
+    """A cell's (or claim's) progress: "done", "k of n <unit>", or not run yet."""
+    if not done:
+        return NOT_RUN
+    return "done" if done == planned else f"{done} of {planned} {unit}"
+
+
 def _r(x: float | None, nd: int = 2) -> float | None:
     return None if x is None else round(x, nd)
 
@@ -384,7 +391,7 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
             "method": mdef.label, "case": case_name, "variant": mdef.variant, "rounds": rounds,
             "metric": METRIC_OF.get(case_name, PERSONALIZED), "ours_mean": _r(mean), "ours_std": _r(std),
             "seeds": [e.seed for e in done], "seeds_planned": list(seeds),
-            "status": "done" if len(done) == len(seeds) else (f"{len(done)} of {len(seeds)} seeds" if done else NOT_RUN),
+            "status": status(len(done), len(seeds)),
             "paper": paper, "paper_spread": spread,
             "paper_source": T7_SOURCE if case_name in PS_CASES else PAPER_SOURCE,
             "vs_paper": vs_paper(mean, std, paper, spread),
@@ -465,8 +472,7 @@ def claim_results(claim: ClaimDef) -> dict[str, Any]:
             methods.append({
                 "case": case, "method": label, "variant_of": stands_for, "ours_mean": _r(mean), "ours_std": _r(std),
                 "seeds": [e.seed for e in done], "seeds_planned": [s for s, _ in where],
-                "status": ("done" if done and len(done) == len(where)
-                           else (f"{len(done)} of {len(where)} seeds" if done else NOT_RUN)),
+                "status": status(len(done), len(where)),
                 "paper": paper_acc,
                 "personalized": {"metric": PERSONALIZED, "mean": _r(personal[0]), "std": _r(personal[1])},
                 "averaged": {"metric": AVERAGED, "mean": _r(averaged[0]), "std": _r(averaged[1])},
@@ -490,7 +496,7 @@ def claim_results(claim: ClaimDef) -> dict[str, Any]:
     n_all = sum(len(st["methods"]) for st in settings)
     return {"table": claim.table, "dataset": "fashion_mnist", "claim": claim.claim, "metric": claim.metric,
             "rounds": rounds, "paper_source": claim.source, "settings": settings,
-            "status": "done" if n_done == n_all else (f"{n_done} of {n_all} methods done" if n_done else NOT_RUN),
+            "status": status(n_done, n_all, "methods done"),
             "sweep_file": f"bench/reproduce/claims/{claim.file}.yaml"}
 
 

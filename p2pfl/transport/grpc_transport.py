@@ -451,9 +451,10 @@ class GrpcTransport(Transport):
     def _settle_given(self, message: Message, plan: MixingPlan, fates: dict[str, PushFate],
                       undelivered: list[str], tag: str) -> float:
         """Add this step's delivered shares to the running totals given; return the weight this peer
-        still owes (a receiver absorbed more than this peer's state gave it: a push mixed there whose
-        answer this peer lost, e.g. in its own restart from an older checkpoint). At most half of what
-        it keeps per step (the rest on its next push), all but a sliver in the run's last round."""
+        gives now to settle what it owes (a receiver absorbed more than this peer's state gave it: a
+        push mixed there whose answer this peer lost, e.g. in its own restart from an older
+        checkpoint). At most half of what it keeps per step (the rest on its next push), all but a
+        sliver in the run's last round."""
         mu = float(message.scalars.get("mu", 0.0))
         keep = mu * (plan.self_weight + sum(plan.out_weights[k] for k in undelivered))
         last = self.final_round is not None and message.round >= self.final_round
