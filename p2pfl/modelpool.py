@@ -1,4 +1,4 @@
-"""Handing scarce things to waiting peer threads: the model pool and the simulation's run gate.
+"""Handing a scarce thing to waiting peers: the model pool.
 
 DESIGN: one model object per worker with each peer's tensors swapped in, not N modules. A
 peer binds its flat buffer into a borrowed model (zero copy), computes, and returns it. The
@@ -7,15 +7,13 @@ round they are in, then their index): a peer that others wait on at a synchronou
 first, so the workers idle less.
 
 A returned item is handed straight to the first waiter, which alone is woken (its own lock):
-with 64 peer threads per worker, waking them all on every return (one shared condition) cost
+with many peer threads, waking them all on every return (one shared condition) cost
 thousands of futile wake-ups per round. Which peer computes when never changes a result (each
 peer's randomness is its own), only how long the others wait.
 
-`RunGate` is the same handoff with one token: in the simulation a worker's peer threads run one
-at a time, each holding the gate except while it waits for its neighbours' messages (see
-`p2pfl.transport.memory.MemoryTransport`). Without it, the peers that woke up (to mix, record,
-checkpoint) ran beside the one training, and every torch call that releases the GIL became a
-switch between threads on one core: measured ~20% more CPU per training step at 128 peers.
+In the simulation a worker's peers take turns (`p2pfl.turns.Turns`) and never wait for the
+model: only the peer whose turn it is computes, and it returns the model before it waits for its
+neighbours.
 """
 
 from __future__ import annotations
@@ -64,16 +62,6 @@ class HandoffPool(Generic[T]):
         assert waiter.item is not None
         return waiter.item
 
-    def enqueue(self, priority: tuple, waiter: _Waiter[T]) -> None:
-        """Queue a waiter whose thread is already blocked on ``waiter.gate`` (or will be): it is woken
-        when an item is handed to it, at once if one is free."""
-        with self._lock:
-            if not self._free:
-                heapq.heappush(self._waiting, (priority, next(self._ticket), waiter))
-                return
-            waiter.item = self._free.pop()
-        waiter.gate.release()
-
     def release(self, item: T) -> None:
         """Give ``item`` back: to the first waiter if any (waking it alone), else to the free list."""
         with self._lock:
@@ -99,45 +87,3 @@ class ModelPool(HandoffPool[nn.Module]):
             for p in model.parameters():
                 p.grad = None
             self.release(model)
-
-
-class RunGate:
-    """One token per worker: the peer thread holding it is the only one running."""
-
-    def __init__(self) -> None:
-        self._pool: HandoffPool[bool] = HandoffPool([True])
-
-    @contextmanager
-    def held(self, priority: tuple = ()) -> Iterator[None]:
-        """Run the block holding the gate."""
-        token = self._pool.acquire(priority)
-        try:
-            yield
-        finally:
-            self._pool.release(token)
-
-    def ticket(self) -> _Waiter[bool]:
-        """A waiter for `admit`: its thread blocks on ``ticket.gate.acquire()`` until handed the gate."""
-        return _Waiter()
-
-    def admit(self, priority: tuple, ticket: _Waiter[bool]) -> None:
-        """Queue ``ticket`` for the gate on behalf of its (blocked) thread: one wake-up, when its turn comes."""
-        self._pool.enqueue(priority, ticket)
-
-    def give(self) -> None:
-        """Let go of the gate held by this thread (to the first waiter)."""
-        self._pool.release(True)
-
-    def take(self, priority: tuple = ()) -> None:
-        """Wait for the gate."""
-        self._pool.acquire(priority)
-
-    @contextmanager
-    def released(self, priority: tuple = ()) -> Iterator[None]:
-        """Inside `held`: let the others run during the block (a wait), then queue for the gate again
-        with ``priority`` (also when the block raises, so the enclosing `held` releases what it holds)."""
-        self.give()
-        try:
-            yield
-        finally:
-            self.take(priority)

@@ -5,8 +5,9 @@ i * W // N: generated graphs join nearby indices, so a ring's or a grid's messag
 their worker instead of all crossing the bridge, as with i mod W), each with one torch
 thread and one model object that its peers borrow in turn: this keeps every core busy on
 training (threads in one process would fight over the GIL). Inside a worker each peer runs its
-Node in a thread with an in-memory transport; messages for peers in other workers cross a
-queue (the bridge). The dataset is loaded before the workers fork, so its pages are shared.
+Node in a greenlet of the worker's one thread, with an in-memory transport, and the peers take
+turns (`p2pfl.turns.Turns`): one computes until it waits for its neighbours, then the next in
+line runs. Messages for peers in other workers cross a queue (the bridge). The dataset is loaded before the workers fork, so its pages are shared.
 Results are bitwise independent of the worker count: each peer's randomness is its own
 generator and mixing sums in plan order.
 """
@@ -29,10 +30,11 @@ import torch
 from p2pfl.config import ConfigError, ExperimentConfig
 from p2pfl.experiment import Experiment
 from p2pfl.messages import Message
-from p2pfl.modelpool import ModelPool, RunGate
+from p2pfl.modelpool import ModelPool
 from p2pfl.resume import drop_generations, keep_generation, prepare_resume
 from p2pfl.runfolder import RunFolder
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
+from p2pfl.turns import Turns
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +139,9 @@ def _collect(events: Any, run: RunFolder, workers: int, procs: list) -> None:
 def one_malloc_arena() -> None:
     """Make this process's threads share one glibc malloc arena (a no-op off glibc).
 
-    Each of a worker's peer threads would otherwise get an arena of its own (up to 8 per core),
-    each keeping the freed activations of the evaluations it ran: about 200 MB more per worker at
-    64 peers, measured. Only one peer computes at a time (the run gate), so they do not contend.
+    Each thread of a worker (its peers' thread, the bridge, the queues' feeders) would otherwise
+    get an arena of its own (up to 8 per core), each keeping the freed blocks it allocated: when
+    every peer was a thread of its own, about 200 MB more per worker at 64 peers, measured.
 
     Call it in the process that forks the workers too, before it starts any thread (`p2pfl
     simulate` does, before its progress bar): an arena a thread of the parent created is
@@ -163,11 +165,11 @@ def worker_cores(workers: int) -> list[int] | None:
     each its own slice); otherwise None, and the kernel places them (with spare cores, two runs
     pinned by the same rule would share cores while others idle). None off Linux.
 
-    Why: a worker hands its run gate from peer thread to peer thread hundreds of times a round.
-    Unpinned, the kernel often wakes the next thread on the *other* core, where it preempts the
-    other worker, and then migrates threads back: measured at 128 peers on 2 cores, a peer thread
-    holding the gate ran only 80-87% of the wall time it spent training (the tight loop's single
-    thread: 99%), and a worker was busy 86-87% of its wall time; pinned, 99-100%.
+    Why: a worker's threads (its peers', the bridge, the queues' feeders) wake each other many
+    times a round. Unpinned, the kernel often wakes a thread on the *other* core, where it preempts
+    the other worker, and then migrates threads back: measured at 128 peers on 2 cores when each
+    peer was a thread, a peer thread ran only 80-87% of the wall time it spent training (the tight
+    loop's single thread: 99%), and a worker was busy 86-87% of its wall time; pinned, 99-100%.
     """
     try:
         allowed = sorted(os.sched_getaffinity(0))
@@ -178,7 +180,7 @@ def worker_cores(workers: int) -> list[int] | None:
 
 def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], inboxes: list, events: Any,
             run_dir: Path, resume: bool = False, core: int | None = None) -> None:
-    """Run the Nodes of ``peers`` (threads), bridging messages to and from the other workers."""
+    """Run the Nodes of ``peers`` (greenlets taking turns), bridging messages to and from the other workers."""
     if core is not None:
         os.sched_setaffinity(0, {core})  # this process and every thread it starts (see worker_cores)
     torch.set_num_threads(1)
@@ -205,25 +207,22 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
 
     threading.Thread(target=bridge, name=f"bridge-{w}", daemon=True).start()
     models = ModelPool(exp.model_factory, 1)
-    gate = RunGate()  # one peer thread of this worker runs at a time (p2pfl/modelpool.py)
+    turns = Turns()  # the worker's peers, greenlets of this thread, one running at a time (p2pfl/turns.py)
 
     records = _RecordBatch(events, len(peers))
     record = records.add
 
-    failed = threading.Event()
-
     def run(pid: str) -> None:
         try:
-            with gate.held((-1, exp.topology.index(pid))):
+            with turns.held((-1, exp.topology.index(pid))):
                 run_node(pid)
         except BaseException as exc:  # noqa: BLE001 - any failure stops the whole simulation
-            failed.set()
             hub.abort(f"peer {pid} failed: {exc!r}")
             records.flush()
             events.put(("error", (pid, "".join(traceback.format_exception(exc)))))
 
     def run_node(pid: str) -> None:
-        node = exp.make_node(pid, transport=MemoryTransport(hub, pid, gate, exp.topology.index(pid)), models=models,
+        node = exp.make_node(pid, transport=MemoryTransport(hub, pid, turns, exp.topology.index(pid)), models=models,
                              record=record, run_dir=run_dir)
         node.on_round = keep_generation(node, exp.cfg.checkpoint_every)
         # Atomic but not fsynced: a kill of any process loses nothing written (the page cache
@@ -235,11 +234,9 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
         node.deadline_s = SIM_DEADLINE_S
         node.run()
 
-    threads = [threading.Thread(target=run, args=(pid,), name=f"peer-{pid}", daemon=True) for pid in peers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for pid in peers:
+        turns.spawn(run, pid)
+    turns.run()
     records.flush()
     events.put(("done", w))
 
@@ -248,7 +245,7 @@ class _RecordBatch:
     """A worker's round records, sent to the collecting process a round's worth at a time.
 
     One queue put per record woke the queue's feeder thread once per peer and round, beside the
-    peer thread training (a GIL handoff each time, measured in the workers' context switches).
+    peer training (a GIL handoff each time, measured in the workers' context switches).
     Nothing is lost by waiting: a record reaches ``metrics.jsonl`` after its peer's checkpoint in
     any case, and a resumed run rewrites the rounds after the last common checkpoint.
     """

@@ -16,12 +16,15 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from p2pfl.messages import Message
-from p2pfl.modelpool import RunGate
 from p2pfl.topology import MixingPlan
 from p2pfl.transport.base import ExchangeResult, Transport, TransportError
 from p2pfl.wire.codec import wire_size
+
+if TYPE_CHECKING:
+    from p2pfl.turns import Turns
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ class MemoryHub:
 
     A reader waiting for keys registers under each missing key and counts them; storing a
     message counts down its readers and wakes those that now have everything. (One condition
-    notified on every store woke all of a worker's peer threads for each message, a herd of futile
+    notified on every store woke all of a worker's peers for each message, a herd of futile
     wake-ups; waking a reader per message still woke a ring peer twice per exchange, once to find
     its other neighbour missing: each wake-up is a thread switch the GIL makes costly.)
     """
@@ -123,13 +126,13 @@ class MemoryHub:
             event.wait(timeout=min(remaining, 1.0))
 
     def take_gated(self, keys: list[tuple[str, int, int]], deadline: float, sizes: dict[str, int] | None,
-                   gate: RunGate, priority: tuple, rejected: set[str] | None = None) -> dict[str, Message]:
-        """`take` for a peer thread holding its worker's ``gate``: it lets the gate go while it waits,
-        and returns (or raises) holding it again.
+                   gate: Turns, priority: tuple, rejected: set[str] | None = None) -> dict[str, Message]:
+        """`take` for a peer whose turn it is in its worker (``gate``): the others run while it
+        waits, and it returns (or raises) in its turn again.
 
-        The reader is woken once: when its last message is stored, the storing thread queues it
-        for the gate with ``priority``, and the gate wakes it on its turn. (Woken by its messages,
-        it would only have gone back to sleep waiting for the gate: two thread switches.)
+        The reader is woken once: when its last message is stored, the storer (a peer of this
+        worker, or the bridge thread) admits it to the line with ``priority``, and it runs on its
+        turn. (Woken by its messages, it would only have gone back to waiting for its turn.)
         """
         out: dict[str, Message] = {}
         rejected = set() if rejected is None else rejected
@@ -146,14 +149,14 @@ class MemoryHub:
                 if holding:
                     gate.give()
                     holding = False
-                if ticket.gate.acquire(timeout=min(remaining, 1.0)):
+                if gate.wait(ticket, min(remaining, 1.0)):
                     holding = True  # handed the gate: its messages are stored (or the run aborted)
                     continue
                 with self._lock:  # timed out: stop any wake-up, unless one is already on its way
                     coming = not reader.armed  # disarmed by the store that completed it, or an abort
                     reader.armed = False
                 if coming:
-                    ticket.gate.acquire()
+                    gate.wait(ticket)
                     holding = True
         finally:
             if not holding:
@@ -212,7 +215,7 @@ class MemoryHub:
                     del self._waiters[key]
 
     def abort(self, reason: str) -> None:
-        """Wake every waiter with an error (a peer thread failed)."""
+        """Wake every waiter with an error (a peer failed)."""
         with self._lock:
             self._aborted = reason
             waiters = {id(r): r for lst in self._waiters.values() for r in lst if r.armed}
@@ -228,10 +231,10 @@ class MemoryHub:
 
 
 class MemoryTransport(Transport):
-    """``gate``: the worker's `RunGate`, if the peer threads run one at a time (the simulation): it is
-    let go while this peer waits for its neighbours, and taken back with priority (round, ``rank``)."""
+    """``gate``: the worker's `Turns`, if its peers take turns (the simulation): the others run while
+    this peer waits for its neighbours, and it queues again with priority (round, ``rank``)."""
 
-    def __init__(self, hub: MemoryHub, peer_id: str, gate: RunGate | None = None, rank: int = 0) -> None:
+    def __init__(self, hub: MemoryHub, peer_id: str, gate: Turns | None = None, rank: int = 0) -> None:
         self.hub = hub
         self.peer_id = peer_id
         self.gate = gate
@@ -241,8 +244,7 @@ class MemoryTransport(Transport):
         if self.gate is None:
             time.sleep(seconds)
         else:
-            with self.gate.released((-1, self.rank)):
-                time.sleep(seconds)
+            self.gate.pause(seconds, (-1, self.rank))
 
     def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
         # Exactly the bytes gRPC would carry: the codec's own size of this message (headers included).

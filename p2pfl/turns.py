@@ -1,0 +1,141 @@
+"""A simulation worker's peers as greenlets of one thread, taking turns in priority order.
+
+In the simulation a worker runs one peer at a time (a worker is one core): a peer computes until
+it must wait for its neighbours' messages, then the next peer in line runs. Each peer used to be
+an OS thread handing a token (`p2pfl.modelpool.RunGate`) to the next; every handoff was a kernel
+thread switch, and torch's per-thread state (oneDNN scratch, autograd, allocator caches) went cold
+for each of 64 threads in turn. Here each peer's Node runs in a greenlet of the worker's one
+thread, and a handoff is a switch of Python stacks inside that thread: no kernel switch, no lock
+handoff, and every peer's training runs on the same warm thread, as in a hand-written loop.
+
+`Turns` keeps the RunGate interface the in-memory transport uses (`ticket`, `admit`, `wait`,
+`give`, `take`, `held`, `pause`), so `MemoryHub.take_gated` drives either. A peer waiting for its
+messages parks its ticket; whoever stores the last of them (a peer of this worker, or the bridge
+thread bringing messages from other workers) `admit`s it, and the scheduler switches to the
+admitted peer of smallest priority (its round, then its index), as the RunGate served its
+waiters. Which peer runs when never changes a result: each peer's randomness is its own.
+
+Switch points are only `wait` (inside `take_gated`, `take`, `pause`), never inside a torch call.
+torch's grad mode is per thread, so `wait` restores the parked peer's own mode on its way back.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from greenlet import greenlet
+
+
+class Ticket:
+    """A peer's place in line: its greenlet, and which of its waits a timer belongs to."""
+
+    __slots__ = ("glet", "parked", "wait_no")
+
+    def __init__(self, glet: greenlet) -> None:
+        self.glet = glet
+        self.parked = False  # inside `wait`, switched out
+        self.wait_no = 0  # bumped by every wait, so a timer of an earlier wait is ignored
+
+
+class Turns:
+    """The scheduler of one worker's peer greenlets; `run` them from the thread that made this."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # the bridge thread admitting a peer to an idle worker
+        self._ready: list[tuple[tuple, int, Ticket]] = []  # heap (priority, arrival, ticket)
+        self._timers: list[tuple[float, int, Ticket, int]] = []  # heap (deadline, arrival, ticket, wait_no)
+        self._arrival = itertools.count()
+        self._main: greenlet | None = None
+        self._jobs: list[tuple[Callable[..., Any], tuple]] = []
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Add a peer: ``fn(*args)`` runs in its own greenlet once `run` starts (it should begin with
+        `held` or `take` so that it waits its turn)."""
+        self._jobs.append((fn, args))
+
+    def run(self) -> None:
+        """Run every spawned peer to its end, switching between them at their waits."""
+        self._main = greenlet.getcurrent()
+        live = []
+        for fn, args in self._jobs:
+            g = greenlet(fn)
+            live.append(g)
+            g.switch(*args)  # runs to its first wait (or to its end)
+        self._jobs.clear()
+        while True:
+            live = [g for g in live if not g.dead]
+            if not live:
+                return
+            ticket, result = self._next()
+            ticket.glet.switch(result)
+
+    def _next(self) -> tuple[Ticket, bool]:
+        """The ready ticket of smallest priority (True), or a parked one whose timer ran out (False);
+        waits, without holding the lock, for the bridge thread to admit one when there is none."""
+        with self._lock:
+            while True:
+                if self._ready:
+                    _, _, ticket = heapq.heappop(self._ready)
+                    ticket.parked = False
+                    return ticket, True
+                now = time.monotonic()
+                while self._timers and self._timers[0][0] <= now:
+                    _, _, ticket, no = heapq.heappop(self._timers)
+                    if ticket.parked and ticket.wait_no == no:
+                        ticket.parked = False
+                        return ticket, False
+                self._wake.wait(self._timers[0][0] - now if self._timers else None)
+
+    # -- the RunGate interface -----------------------------------------------------------------
+    def ticket(self) -> Ticket:
+        """A place in line for the calling peer, for `admit` and `wait`."""
+        return Ticket(greenlet.getcurrent())
+
+    def admit(self, priority: tuple, ticket: Ticket) -> None:
+        """Put ``ticket``'s peer in line to run (from any thread): once per `wait` it will make."""
+        with self._lock:
+            heapq.heappush(self._ready, (priority, next(self._arrival), ticket))
+            self._wake.notify()
+
+    def wait(self, ticket: Ticket, timeout: float | None = None) -> bool:
+        """Let the others run until ``ticket`` is admitted and its turn comes (True), or until
+        ``timeout`` seconds pass without an admission (False). Call from ``ticket``'s own peer."""
+        assert self._main is not None and ticket.glet is greenlet.getcurrent()
+        grad = torch.is_grad_enabled()
+        with self._lock:
+            ticket.wait_no += 1
+            ticket.parked = True
+            if timeout is not None:
+                heapq.heappush(self._timers, (time.monotonic() + timeout, next(self._arrival), ticket,
+                                              ticket.wait_no))
+        admitted = self._main.switch()
+        torch.set_grad_enabled(grad)
+        return bool(admitted)
+
+    def give(self) -> None:
+        """Nothing to hand over: the next peer runs when this one waits."""
+
+    def take(self, priority: tuple = ()) -> None:
+        """Queue for a turn with ``priority`` and wait for it (the peers ahead in line run first)."""
+        ticket = self.ticket()
+        self.admit(priority, ticket)
+        self.wait(ticket)
+
+    @contextmanager
+    def held(self, priority: tuple = ()) -> Iterator[None]:
+        """Run the block as a turn: it starts when this peer's turn comes."""
+        self.take(priority)
+        yield
+
+    def pause(self, seconds: float, priority: tuple = ()) -> None:
+        """Sleep ``seconds`` letting the others run, then queue for a turn with ``priority``."""
+        self.wait(self.ticket(), seconds)
+        self.take(priority)
