@@ -26,6 +26,19 @@ included; ``peak_rss_mb`` the peak of the process tree's summed RSS (``peak_pss_
 PSS, which counts pages shared after fork once), sampled every 0.2 s by this process. Ratios are
 taken per repeat (side by side) and reported as median and min over repeats.
 
+Figures (2026-11-25, eighth session; sweep paused). A worker's peers are now greenlets of its one
+thread taking turns (``p2pfl/turns.py``) instead of OS threads handing a ``RunGate`` over: a
+handoff is a switch of Python stacks, with no kernel switch and no lock handoff, and every peer
+trains on the same warm thread as the tight loop's. ``--rounds 50 --repeats 1 --engines
+exact,loop``, three interleaved pairs against the code before (2890fd8, threads, run from its own
+worktree): exact CPU s per round 1.194/1.210/1.179 -> 1.200/1.114/1.094; against the loop, CPU
+1.099x/1.204x/1.182x -> 1.116x/1.057x/1.116x (median 1.18x -> 1.12x), wall 1.059x/1.165x/1.169x ->
+1.080x/1.044x/1.065x (median 1.17x -> 1.07x), PSS 1.085x/1.131x/1.035x -> 1.050x/1.037x/1.077x.
+Final accuracy unchanged (0.69451448). Where the rest is (py-spy, both workers, 15 s of a steady
+60-round run): training 80.5% of samples, evaluation 9.3%, and the framework the rest: mixing
+1.5% (the loop mixes too), the consensus distance metric 1.8%, checkpoints 1.4%, the exchange
+1.1%, binding 0.9% (the loop binds too), the payload snapshot 0.6%, the bridge thread 0.6%.
+
 Figures (2026-11-25, later session; sweep paused). The zoo's conv nets now run channels-last
 activations on a CPU (``models.base.channels_last``, ``bench/model_layout.py``: a cnn_small step
 0.79x, an evaluation pass 0.61x). It speeds the tight loop as much as the simulation, since both

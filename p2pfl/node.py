@@ -241,8 +241,10 @@ class Node:
                 n = min(self.layout.num_shared, msg.flat.numel())
                 k = len(res.received)
                 gap = msg.flat[:n] * k
-                for m in res.received.values():
-                    gap.sub_(m.flat[:n])
+                # in plan order, as mixing: arrival order (the dict's) differs between transports and runs
+                rank = {j: i for i, j in enumerate(plan.in_weights)}
+                for j in sorted(res.received, key=lambda j: (rank.get(j, len(rank)), j)):
+                    gap.sub_(res.received[j].flat[:n])
                 consensus = float(torch.linalg.vector_norm(gap)) / k
             self.algorithm.combine(self.state, r, step, msg, res.received, plan)
             if plan.mode == "push":

@@ -441,3 +441,36 @@ def test_beats_local_on_non_iid_data(tmp_path: Path, algo: str) -> None:
     acc = _final_acc(tmp_path / algo, hp, kind)
     print(f"{algo}: {acc:.4f} vs local {_LOCAL_ACC[key]:.4f}")
     assert acc > _LOCAL_ACC[key] + 0.02
+
+
+class Reversed(Transport):
+    """Delegates, then hands the Node what it received in the reverse order (another arrival order)."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+
+    def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
+        res = self.inner.exchange(message, plan, deadline_s)
+        res.received = dict(reversed(list(res.received.items())))
+        return res
+
+
+def test_a_rounds_record_does_not_depend_on_the_order_its_messages_arrived_in(tmp_path: Path) -> None:
+    """Transports deliver neighbours' payloads in arrival order (gRPC, the simulation's workers): the
+    node's record, the consensus distance included, must be bitwise the same whatever that order."""
+    records: dict[bool, list[dict[str, Any]]] = {}
+    for flip in (False, True):
+        exp = _experiment(tmp_path / str(flip), {"name": "dfedavg"}, rounds=3, kind="full")
+        hub, models, sink = MemoryHub(), ModelPool(exp.model_factory, 1), []
+        nodes = []
+        for pid in exp.topology.ids:
+            transport: Transport = MemoryTransport(hub, pid)
+            node = exp.make_node(pid, transport=Reversed(transport) if flip else transport, models=models,
+                                 record=sink.append, run_dir=None)
+            node.deadline_s = 30.0
+            nodes.append(node)
+        _run(nodes, hub)
+        records[flip] = sorted(({k: v for k, v in rec.items() if "seconds" not in k} for rec in sink),
+                               key=lambda rec: (rec["round"], rec["peer"]))
+    assert records[False] and all(rec["consensus_dist"] > 0 for rec in records[False])
+    assert records[True] == records[False]
