@@ -36,12 +36,13 @@ from greenlet import greenlet
 class Ticket:
     """A peer's place in line: its greenlet, and which of its waits a timer belongs to."""
 
-    __slots__ = ("glet", "parked", "wait_no")
+    __slots__ = ("glet", "parked", "wait_no", "admitted")
 
     def __init__(self, glet: greenlet) -> None:
         self.glet = glet
         self.parked = False  # inside `wait`, switched out
         self.wait_no = 0  # bumped by every wait, so a timer of an earlier wait is ignored
+        self.admitted = 0  # admissions queued and not served yet: a timer running out then is no timeout
 
 
 class Turns:
@@ -50,7 +51,8 @@ class Turns:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # the bridge thread admitting a peer to an idle worker
-        self._ready: list[tuple[tuple, int, Ticket]] = []  # heap (priority, arrival, ticket)
+        # heap (priority, arrival, ticket, None for an admission | the wait_no of a timeout)
+        self._ready: list[tuple[tuple, int, Ticket, int | None]] = []
         self._timers: list[tuple[float, int, Ticket, int]] = []  # heap (deadline, arrival, ticket, wait_no)
         self._arrival = itertools.count()
         self._main: greenlet | None = None
@@ -78,18 +80,24 @@ class Turns:
             ticket.glet.switch(result)
 
     def _next(self) -> tuple[Ticket, bool]:
-        """The ready ticket of smallest priority (True), or a parked one whose timer ran out (False);
-        waits, without holding the lock, for the bridge thread to admit one when there is none."""
+        """The next peer to run: one whose timer ran out while parked (False), else the admitted
+        one of smallest priority (True); waits, without holding the lock, for the bridge thread to
+        admit one when there is none. Expired timers are moved on every call, so timers of waits
+        that were admitted in time leave the heap even when the worker is never idle."""
         with self._lock:
             while True:
-                if self._ready:
-                    _, _, ticket = heapq.heappop(self._ready)
-                    ticket.parked = False
-                    return ticket, True
                 now = time.monotonic()
                 while self._timers and self._timers[0][0] <= now:
-                    _, _, ticket, no = heapq.heappop(self._timers)
-                    if ticket.parked and ticket.wait_no == no:
+                    _, arrival, ticket, no = heapq.heappop(self._timers)
+                    if ticket.parked and ticket.wait_no == no and not ticket.admitted:
+                        heapq.heappush(self._ready, ((), arrival, ticket, no))  # () goes before any priority
+                while self._ready:
+                    _, _, ticket, no = heapq.heappop(self._ready)
+                    if no is None:  # an admission: its peer is parked by now (only parked peers let this run)
+                        ticket.parked = False
+                        ticket.admitted -= 1
+                        return ticket, True
+                    if ticket.parked and ticket.wait_no == no and not ticket.admitted:  # unless admitted meanwhile
                         ticket.parked = False
                         return ticket, False
                 self._wake.wait(self._timers[0][0] - now if self._timers else None)
@@ -102,12 +110,14 @@ class Turns:
     def admit(self, priority: tuple, ticket: Ticket) -> None:
         """Put ``ticket``'s peer in line to run (from any thread): once per `wait` it will make."""
         with self._lock:
-            heapq.heappush(self._ready, (priority, next(self._arrival), ticket))
+            ticket.admitted += 1
+            heapq.heappush(self._ready, (priority, next(self._arrival), ticket, None))
             self._wake.notify()
 
     def wait(self, ticket: Ticket, timeout: float | None = None) -> bool:
         """Let the others run until ``ticket`` is admitted and its turn comes (True), or until
-        ``timeout`` seconds pass without an admission (False). Call from ``ticket``'s own peer."""
+        ``timeout`` seconds pass with no admission queued (False; one that comes later is for the
+        next wait on ``ticket``). Call from ``ticket``'s own peer."""
         assert self._main is not None and ticket.glet is greenlet.getcurrent()
         grad = torch.is_grad_enabled()
         with self._lock:

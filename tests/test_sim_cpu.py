@@ -337,6 +337,31 @@ def test_a_waiting_peer_gets_its_own_grad_mode_back_whatever_the_others_set() ->
     assert torch.is_grad_enabled()
 
 
+@pytest.mark.timeout(60)
+def test_timers_of_waits_admitted_in_time_leave_even_a_worker_that_is_never_idle() -> None:
+    """A reader waits with a timeout (its deadline, at most 1 s) and is usually admitted first; the
+    timer it leaves behind must go once it expires, also when some peer is always ready to run
+    (one worker holding every peer never idles): else the timer heap grows by one per wait."""
+    from p2pfl.turns import Turns
+
+    turns = Turns()
+    results: list[bool] = []
+
+    def reader(i: int) -> None:
+        with turns.held((0, i)):
+            for _ in range(40):
+                ticket = turns.ticket()
+                turns.admit((1, i), ticket)  # its messages are in before it waits
+                results.append(turns.wait(ticket, 0.005))
+                time.sleep(0.006)  # compute, while its timer expires
+
+    turns.spawn(reader, 0)
+    turns.spawn(reader, 1)
+    turns.run()
+    assert results == [True] * 80  # an admitted wait never reads as a timeout
+    assert len(turns._timers) <= 2 and not turns._ready
+
+
 def _msg(sender: str, r: int) -> Message:
     return Message(sender, r, 0, "h", (), torch.full((3,), float(r)), {})
 
