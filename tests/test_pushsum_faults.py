@@ -12,6 +12,7 @@ import json
 import math
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -259,3 +260,58 @@ def test_a_receiver_restarted_while_its_senders_are_gone_restores_what_it_mixed_
         assert checkpoint is not None
         now = c.transports["p1"].server.absorbed()  # raised to the logged totals, per sender
         assert now == pytest.approx({j: checkpoint["absorbed"][j] + w for j, w in plan.in_weights.items()}, abs=1e-12)
+
+
+def test_a_finished_receiver_serves_on_until_a_sender_replaying_its_last_round_has_finished(
+        certs_dir: Path) -> None:
+    """The CI failure of 7382d4c, in process: p1 is killed after its receivers mixed its last-round
+    pushes and before it heard the OKs (nothing logged, nothing checkpointed), and restarts while
+    they have finished. Its neighbours serve on until p1 reports finished, so its replayed pushes
+    get an answer (OK again, or "round over" with the total absorbed after a restart) and p1 gives
+    the shares it still counts: every edge's totals agree. (Before, a finished receiver left at once and p1 kept them: sum mu = 4.5.)"""
+    from tests.test_grpc_peer import cluster, message, ring
+
+    topo = ring(4)
+    mu = {"mu": 1.0}
+    with cluster(topo, topo.ids, certs_dir, mode="push", scalar_keys=("mu",)) as c:
+        for t in c.transports.values():
+            t.final_round = 1
+        c.exchange_all({p: message(topo, p, 0, scalars=mu) for p in topo.ids})
+        checkpoint = c.transports["p1"].ledger_state()  # p1's totals as of its round-1 checkpoint
+        res = c.exchange_all({p: message(topo, p, 1, scalars=mu) for p in topo.ids})
+        assert all(not x.missing and not x.undelivered for x in res.values())
+        c.transports.pop("p1").close()  # killed before it heard the OKs: no log, no checkpoint
+        c.servers.pop("p1").stop(0)
+        gone: dict[str, float] = {}
+
+        def finished(p: str) -> None:  # the peer's process: linger, then exit (its server stops)
+            c.transports[p].linger(5.0)
+            gone[p] = time.monotonic()
+            c.servers[p].stop(0)
+
+        others = [p for p in topo.ids if p != "p1"]
+        lingering = [threading.Thread(target=finished, args=(p,), daemon=True) for p in others]
+        for t in lingering:
+            t.start()
+        time.sleep(1.0)  # p1 restarts a while after the others finished
+        c.start("p1")
+        p1 = c.transports["p1"]
+        p1.final_round = 1
+        p1.server.set_round(1)
+        p1.restore_ledger(checkpoint)
+        replay = p1.exchange(message(topo, "p1", 1, scalars=mu), topo.plan("p1", 1, 0, mode="push"), 3.0)
+        # answered OK again (the receiver remembers it mixed them), or refused "round over" with its
+        # total absorbed when it restarted meanwhile: either way the share is given, not kept
+        assert replay.undelivered == [], "a finished receiver left before the replayed push reached it"
+        given = p1.ledger_state()
+        assert given is not None
+        assert all(given["given"][k] == pytest.approx(c.servers[k].absorbed()["p1"], abs=1e-12)
+                   for k in ("p0", "p2"))
+        early = sorted(set(gone) & {"p0", "p2"})  # p1's neighbours (p3 is not one: it may go)
+        assert not early, f"{early} left while p1 had not finished"
+        t_done = time.monotonic()
+        p1.linger(5.0)
+        for t in lingering:
+            t.join(20)
+            assert not t.is_alive()
+        assert set(gone) == set(others) and min(gone["p0"], gone["p2"]) >= t_done

@@ -76,8 +76,10 @@ class PushReply(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("requester",)
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    requester: str
+    def __init__(self, requester: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("peer_id", "round", "topology_hash", "version")

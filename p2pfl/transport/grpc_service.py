@@ -217,6 +217,8 @@ class PeerServer:
         # a push is answered OK, so a restart knows what it mixed after its checkpoint (rule 6).
         self.absorb_log: Path | None = None
         self._round = 0
+        self._final: int | None = None  # the round count once this peer finished the run (`finish`)
+        self._told_finished: set[str] = set()  # callers whose Status said it had finished
         self._served = 0
         self._pulls_served = 0
         self._stopping = False
@@ -419,6 +421,17 @@ class PeerServer:
                 self._round = int(round)
                 self._prune()
             self._cond.notify_all()
+
+    def finish(self, rounds: int) -> None:
+        """This peer finished the run (its last round checkpointed): Status reports ``rounds`` from now on."""
+        self.set_round(rounds)
+        with self._cond:
+            self._final = int(rounds)
+
+    def told_finished(self, peer: str) -> bool:
+        """Whether ``peer`` asked this peer's Status since it `finish`ed (and so knows)."""
+        with self._cond:
+            return peer in self._told_finished
 
     def _prune(self) -> None:
         keep = self._round - self.window
@@ -1078,14 +1091,19 @@ class PeerServer:
                 self._claims.pop(key, None)
 
     def _status(self, request: peer_pb2.StatusRequest, context: grpc.ServicerContext, call: Call) -> peer_pb2.StatusReply:
-        if self.tls is not None:  # (plaintext callers have no identity to check)
-            caller = self._caller(context, "", "Status")
+        caller = request.requester  # plaintext: as claimed (may be empty: an anonymous probe)
+        if self.tls is not None:
+            caller = self._caller(context, request.requester, "Status")
             self._admit(call, caller)
             if caller not in self._members:
                 self._reject(context, "Status", caller, grpc.StatusCode.PERMISSION_DENIED,
                              f"peer {caller!r} is not in the topology of {self.peer_id!r}; it may not ask its status")
+        with self._cond:
+            round_ = self._round
+            if self._final is not None and round_ >= self._final and caller in self._members:
+                self._told_finished.add(caller)
         return peer_pb2.StatusReply(
-            peer_id=self.peer_id, round=self.round, topology_hash=self.topology_hash, version=_version()
+            peer_id=self.peer_id, round=round_, topology_hash=self.topology_hash, version=_version()
         )
 
 

@@ -208,9 +208,10 @@ class GrpcTransport(Transport):
             self._neighbours[peer] = n
             return n
 
-    def status(self, peer: str, timeout_s: float = 5.0) -> peer_pb2.StatusReply:
-        """Ask ``peer`` for its Status (raises grpc.RpcError when unreachable)."""
-        return self._neighbour(peer).status(peer_pb2.StatusRequest(), timeout=timeout_s, wait_for_ready=True)
+    def status(self, peer: str, timeout_s: float = 5.0, wait_for_ready: bool = True) -> peer_pb2.StatusReply:
+        """Ask ``peer`` for its Status, naming this peer (raises grpc.RpcError when unreachable)."""
+        return self._neighbour(peer).status(peer_pb2.StatusRequest(requester=self.peer_id), timeout=timeout_s,
+                                            wait_for_ready=wait_for_ready)
 
     def pull(self, peer: str, round: int, step: int, deadline_s: float) -> tuple[Message, int]:
         """Pull ``peer``'s payload for (round, step) alone: (message, wire bytes); `TransportError` with the reason.
@@ -249,7 +250,7 @@ class GrpcTransport(Transport):
         if not self.is_down(peer):
             return True
         try:
-            self._neighbour(peer).status(peer_pb2.StatusRequest(), timeout=self.probe_s, wait_for_ready=False)
+            self.status(peer, self.probe_s, wait_for_ready=False)
         except grpc.RpcError:
             return False
         self._mark_up(peer)
@@ -587,8 +588,7 @@ class GrpcTransport(Transport):
         if not self._alive(peer):
             return None, 0, "neighbour is down"
         try:
-            st = self._neighbour(peer).status(peer_pb2.StatusRequest(),
-                                              timeout=max(0.05, deadline - time.monotonic()), wait_for_ready=False)
+            st = self.status(peer, max(0.05, deadline - time.monotonic()), wait_for_ready=False)
         except grpc.RpcError as e:
             self._failed(peer, f"{e.code().name}: {bounded(e.details() or '', 300)}")
             return None, 0, f"status: {e.code().name}"
@@ -616,8 +616,7 @@ class GrpcTransport(Transport):
 
         def ask(p: str) -> int | None:
             try:
-                return int(self._neighbour(p).status(peer_pb2.StatusRequest(), timeout=timeout_s,
-                                                     wait_for_ready=True).round)
+                return int(self.status(p, timeout_s).round)
             except grpc.RpcError:
                 return None
 
@@ -657,30 +656,63 @@ class GrpcTransport(Transport):
                             ",".join(sorted(left)), key[0], key[1])
         if self._pushes:
             futures.wait(self._pushes, timeout=max(0.0, deadline - time.monotonic()))
-        if self.server.mode == "push":
-            self._linger_for_down(deadline_s)
+        if self.server.mode == "push" and self.final_round is not None:
+            self._linger_for_ledger(deadline_s)
 
-    def _linger_for_down(self, deadline_s: float) -> None:
-        """Push-sum: keep serving while a neighbour is down (at most ``_LINGER_DOWN_S``), and for a
-        deadline after it is back, so a neighbour restarted after this peer finished can still settle
-        its ledger here (a replayed push is deduplicated or refused with this peer's total absorbed;
-        a recovery Pull gets what this peer gave). Without it, a fate only this peer knows would be
-        lost with it (docs/protocol.md, "Push-sum mass", rule 6)."""
-        nbrs = sorted(self.topology.possible_in_neighbours(self.peer_id)
-                      | self.topology.possible_out_neighbours(self.peer_id))
-        if not any(self.is_down(p) for p in nbrs):
-            return
-        log.warning("%s: finished; serving on while %s down, for its ledger", self.peer_id,
-                    ",".join(p for p in nbrs if self.is_down(p)))
-        bound = time.monotonic() + max(deadline_s, _LINGER_DOWN_S)
-        last_down = time.monotonic()
+    def _linger_for_ledger(self, deadline_s: float) -> None:
+        """Push-sum: a finished peer serves on (at most ``_LINGER_DOWN_S``) until
+
+        * every in-neighbour reports (Status) that it finished too: before that, one killed after this
+          peer mixed its last push and before it heard the OK replays that push after its restart,
+          and only this peer's answer (the push is refused "round over" with its total absorbed)
+          tells it the share is given, not kept (CI of e639fae: a receiver that had finished and
+          restarted left at once, the sender kept the share it had also given: sum mu = 4.5);
+        * every out-neighbour that answers has asked this peer's Status since it finished (it then
+          knows, and may leave: without this, two finished neighbours could each wait for the
+          other to be seen finished after it had already gone);
+        * no neighbour this peer found down stays down, and one deadline has passed since the last
+          came back, so a neighbour restarted after this peer finished can still recover its lost
+          push here (rule 4) or settle with it (docs/protocol.md, "Push-sum mass", rule 6).
+        """
+        assert self.final_round is not None
+        rounds = self.final_round + 1
+        self.server.finish(rounds)
+        ins = sorted(self.topology.possible_in_neighbours(self.peer_id) - {self.peer_id})
+        outs = sorted(self.topology.possible_out_neighbours(self.peer_id) - {self.peer_id})
+        nbrs = sorted(set(ins) | set(outs))
+        finished: set[str] = set()
+        start = time.monotonic()
+        bound = start + max(deadline_s, _LINGER_DOWN_S)
+        last_down: float | None = None
+        said = False
         while (now := time.monotonic()) < bound:
-            if any(self.is_down(p) and not self._alive(p) for p in nbrs):
+            # One Status call per neighbour and pass: a reply that says "finished" is the one the
+            # neighbour counted as telling this peer (`PeerServer.told_finished`), so it is used.
+            answering = set()
+            for p in nbrs:
+                try:
+                    reported = int(self.status(p, self.probe_s, wait_for_ready=False).round)
+                except grpc.RpcError:
+                    continue
+                answering.add(p)
+                if self.is_down(p):
+                    self._mark_up(p)
+                if reported >= rounds and p in ins:
+                    finished.add(p)
+            if any(self.is_down(p) for p in nbrs):
                 last_down = now
-            elif now - last_down >= deadline_s:
+            waiting = [p for p in ins if p not in finished]
+            waiting += [p for p in outs if p in answering and not self.server.told_finished(p)]
+            if not waiting and (last_down is None or now - last_down >= deadline_s):
                 return
-            time.sleep(max(0.05, min(self.probe_s, bound - time.monotonic())))
-        log.warning("%s: stopping with %s still down", self.peer_id, ",".join(p for p in nbrs if self.is_down(p)))
+            if not said and now - start >= 2 * self.probe_s:
+                log.warning("%s: finished; serving on for its ledger while %s %s", self.peer_id,
+                            ",".join(sorted(set(waiting)) or [p for p in nbrs if self.is_down(p)]),
+                            "not finished" if waiting else "down")
+                said = True
+            time.sleep(max(0.02, min(0.1, bound - time.monotonic())))
+        log.warning("%s: stopping with %s not finished or down", self.peer_id,
+                    ",".join(p for p in nbrs if (p in ins and p not in finished) or self.is_down(p)))
 
     def configure_wire(self, fmt: WireFormat, chunk_bytes: int | None = None) -> None:
         """The wire format for the neighbours' payloads this peer pulls and for the pushes its server takes."""
