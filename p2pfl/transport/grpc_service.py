@@ -218,7 +218,7 @@ class PeerServer:
         self.absorb_log: Path | None = None
         self._round = 0
         self._final: int | None = None  # the round count once this peer finished the run (`finish`)
-        self._told_finished: set[str] = set()  # callers whose Status said it had finished
+        self._told: dict[str, int] = {}  # per calling neighbour, the highest round its Status answers said
         self._served = 0
         self._pulls_served = 0
         self._stopping = False
@@ -429,9 +429,10 @@ class PeerServer:
             self._final = int(rounds)
 
     def told_finished(self, peer: str) -> bool:
-        """Whether ``peer`` asked this peer's Status since it `finish`ed (and so knows)."""
+        """Whether a Status answer to ``peer`` said this peer had finished (the round `finish` set;
+        a peer restarted after its last round says so from its first answer on)."""
         with self._cond:
-            return peer in self._told_finished
+            return self._final is not None and self._told.get(peer, -1) >= self._final
 
     def _prune(self) -> None:
         keep = self._round - self.window
@@ -1100,8 +1101,8 @@ class PeerServer:
                              f"peer {caller!r} is not in the topology of {self.peer_id!r}; it may not ask its status")
         with self._cond:
             round_ = self._round
-            if self._final is not None and round_ >= self._final and caller in self._members:
-                self._told_finished.add(caller)
+            if caller in self._members and round_ > self._told.get(caller, -1):
+                self._told[caller] = round_
         return peer_pb2.StatusReply(
             peer_id=self.peer_id, round=round_, topology_hash=self.topology_hash, version=_version()
         )

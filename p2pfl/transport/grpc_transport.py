@@ -159,6 +159,9 @@ class GrpcTransport(Transport):
         # (checkpointed with the state; docs/protocol.md, "Push-sum mass").
         self._given: dict[str, float] = {}
         self._down: set[str] = set()  # neighbours noticed down: probed briefly, not waited for
+        # neighbours whose Status said they finished the run: every such answer, whichever call got
+        # it, since the neighbour counts each as having told this peer (`PeerServer.told_finished`)
+        self._finished: set[str] = set()
         self.probe_s = float(network_cfg.probe_s)
         self._latest: dict[tuple[str, int], Message] = {}  # async: freshest payload held per (peer, step)
         # A restarted peer (it has a checkpoint, or a pushes log from an earlier start) recovers the
@@ -209,9 +212,14 @@ class GrpcTransport(Transport):
             return n
 
     def status(self, peer: str, timeout_s: float = 5.0, wait_for_ready: bool = True) -> peer_pb2.StatusReply:
-        """Ask ``peer`` for its Status, naming this peer (raises grpc.RpcError when unreachable)."""
-        return self._neighbour(peer).status(peer_pb2.StatusRequest(requester=self.peer_id), timeout=timeout_s,
-                                            wait_for_ready=wait_for_ready)
+        """Ask ``peer`` for its Status, naming this peer (raises grpc.RpcError when unreachable); an
+        answer that says it finished the run is remembered (`_linger_for_ledger`)."""
+        reply = self._neighbour(peer).status(peer_pb2.StatusRequest(requester=self.peer_id), timeout=timeout_s,
+                                             wait_for_ready=wait_for_ready)
+        if self.final_round is not None and reply.round > self.final_round:
+            with self._lock:
+                self._finished.add(peer)
+        return reply
 
     def pull(self, peer: str, round: int, step: int, deadline_s: float) -> tuple[Message, int]:
         """Pull ``peer``'s payload for (round, step) alone: (message, wire bytes); `TransportError` with the reason.
@@ -667,9 +675,10 @@ class GrpcTransport(Transport):
           and only this peer's answer (the push is refused "round over" with its total absorbed)
           tells it the share is given, not kept (CI of e639fae: a receiver that had finished and
           restarted left at once, the sender kept the share it had also given: sum mu = 4.5);
-        * every out-neighbour that answers has asked this peer's Status since it finished (it then
-          knows, and may leave: without this, two finished neighbours could each wait for the
-          other to be seen finished after it had already gone);
+        * every out-neighbour has asked this peer's Status since it finished (it then knows, and may
+          leave: without this, two finished neighbours could each wait for the other to be seen
+          finished after it had already gone; a fault-free out-neighbour never leaves before it
+          asked, and one that is down asks when it is back);
         * no neighbour this peer found down stays down, and one deadline has passed since the last
           came back, so a neighbour restarted after this peer finished can still recover its lost
           push here (rule 4) or settle with it (docs/protocol.md, "Push-sum mass", rule 6).
@@ -680,29 +689,25 @@ class GrpcTransport(Transport):
         ins = sorted(self.topology.possible_in_neighbours(self.peer_id) - {self.peer_id})
         outs = sorted(self.topology.possible_out_neighbours(self.peer_id) - {self.peer_id})
         nbrs = sorted(set(ins) | set(outs))
-        finished: set[str] = set()
         start = time.monotonic()
         bound = start + max(deadline_s, _LINGER_DOWN_S)
         last_down: float | None = None
         said = False
         while (now := time.monotonic()) < bound:
-            # One Status call per neighbour and pass: a reply that says "finished" is the one the
-            # neighbour counted as telling this peer (`PeerServer.told_finished`), so it is used.
-            answering = set()
-            for p in nbrs:
+            for p in nbrs:  # one Status call each: it also tells a finished one this peer knows
                 try:
-                    reported = int(self.status(p, self.probe_s, wait_for_ready=False).round)
+                    self.status(p, self.probe_s, wait_for_ready=False)
                 except grpc.RpcError:
                     continue
-                answering.add(p)
                 if self.is_down(p):
                     self._mark_up(p)
-                if reported >= rounds and p in ins:
-                    finished.add(p)
+            with self._lock:
+                finished = set(self._finished)
             if any(self.is_down(p) for p in nbrs):
                 last_down = now
             waiting = [p for p in ins if p not in finished]
-            waiting += [p for p in outs if p in answering and not self.server.told_finished(p)]
+            # an out-neighbour down now comes back asking (a fault-free one never leaves without)
+            waiting += [p for p in outs if not self.server.told_finished(p)]
             if not waiting and (last_down is None or now - last_down >= deadline_s):
                 return
             if not said and now - start >= 2 * self.probe_s:
@@ -712,7 +717,7 @@ class GrpcTransport(Transport):
                 said = True
             time.sleep(max(0.02, min(0.1, bound - time.monotonic())))
         log.warning("%s: stopping with %s not finished or down", self.peer_id,
-                    ",".join(p for p in nbrs if (p in ins and p not in finished) or self.is_down(p)))
+                    ",".join(p for p in nbrs if (p in ins and p not in self._finished) or self.is_down(p)))
 
     def configure_wire(self, fmt: WireFormat, chunk_bytes: int | None = None) -> None:
         """The wire format for the neighbours' payloads this peer pulls and for the pushes its server takes."""
