@@ -7,7 +7,8 @@ thread and one model object that its peers borrow in turn: this keeps every core
 training (threads in one process would fight over the GIL). Inside a worker each peer runs its
 Node in a greenlet of the worker's one thread, with an in-memory transport, and the peers take
 turns (`p2pfl.turns.Turns`): one computes until it waits for its neighbours, then the next in
-line runs. Messages for peers in other workers cross a queue (the bridge). The dataset is loaded before the workers fork, so its pages are shared.
+line runs. Messages for peers in other workers cross a queue (the bridge). The dataset is loaded
+before the workers fork, so its pages are shared.
 Results are bitwise independent of the worker count: each peer's randomness is its own
 generator and mixing sums in plan order.
 """

@@ -2,17 +2,17 @@
 
 In the simulation a worker runs one peer at a time (a worker is one core): a peer computes until
 it must wait for its neighbours' messages, then the next peer in line runs. Each peer used to be
-an OS thread handing a token (`p2pfl.modelpool.RunGate`) to the next; every handoff was a kernel
+an OS thread handing a token (the former ``RunGate``) to the next; every handoff was a kernel
 thread switch, and torch's per-thread state (oneDNN scratch, autograd, allocator caches) went cold
 for each of 64 threads in turn. Here each peer's Node runs in a greenlet of the worker's one
 thread, and a handoff is a switch of Python stacks inside that thread: no kernel switch, no lock
 handoff, and every peer's training runs on the same warm thread, as in a hand-written loop.
 
-`Turns` keeps the RunGate interface the in-memory transport uses (`ticket`, `admit`, `wait`,
-`give`, `take`, `held`, `pause`), so `MemoryHub.take_gated` drives either. A peer waiting for its
-messages parks its ticket; whoever stores the last of them (a peer of this worker, or the bridge
-thread bringing messages from other workers) `admit`s it, and the scheduler switches to the
-admitted peer of smallest priority (its round, then its index), as the RunGate served its
+The in-memory transport drives it through `ticket`, `admit` and `wait` (`MemoryHub.take_gated`)
+and `pause`; a peer starts with `held`. A peer waiting for its messages parks its ticket;
+whoever stores the last of them (a peer of this worker, or the bridge thread bringing messages
+from other workers) `admit`s it, and the scheduler switches to the
+admitted peer of smallest priority (its round, then its index), as the thread token served its
 waiters. Which peer runs when never changes a result: each peer's randomness is its own.
 
 Switch points are only `wait` (inside `take_gated`, `take`, `pause`), never inside a torch call.
@@ -102,7 +102,7 @@ class Turns:
                         return ticket, False
                 self._wake.wait(self._timers[0][0] - now if self._timers else None)
 
-    # -- the RunGate interface -----------------------------------------------------------------
+    # -- what the peers call ----------------------------------------------------------------------
     def ticket(self) -> Ticket:
         """A place in line for the calling peer, for `admit` and `wait`."""
         return Ticket(greenlet.getcurrent())
@@ -129,9 +129,6 @@ class Turns:
         admitted = self._main.switch()
         torch.set_grad_enabled(grad)
         return bool(admitted)
-
-    def give(self) -> None:
-        """Nothing to hand over: the next peer runs when this one waits."""
 
     def take(self, priority: tuple = ()) -> None:
         """Queue for a turn with ``priority`` and wait for it (the peers ahead in line run first)."""

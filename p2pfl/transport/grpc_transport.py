@@ -673,7 +673,7 @@ class GrpcTransport(Transport):
         * every in-neighbour reports (Status) that it finished too: before that, one killed after this
           peer mixed its last push and before it heard the OK replays that push after its restart,
           and only this peer's answer (the push is refused "round over" with its total absorbed)
-          tells it the share is given, not kept (CI of e639fae: a receiver that had finished and
+          tells it the share is given, not kept (CI of 7382d4c: a receiver that had finished and
           restarted left at once, the sender kept the share it had also given: sum mu = 4.5);
         * every out-neighbour has asked this peer's Status since it finished (it then knows, and may
           leave: without this, two finished neighbours could each wait for the other to be seen

@@ -139,28 +139,18 @@ class MemoryHub:
         ticket = gate.ticket()
         reader = _Reader(wake=lambda: gate.admit(priority, ticket))
         registered: list[tuple[str, int, int]] = []
-        holding = True
-        try:
-            while True:
-                with self._lock:
-                    remaining = self._collect(keys, deadline, out, sizes, reader, registered, rejected)
-                if remaining is None:
-                    return out
-                if holding:
-                    gate.give()
-                    holding = False
-                if gate.wait(ticket, min(remaining, 1.0)):
-                    holding = True  # handed the gate: its messages are stored (or the run aborted)
-                    continue
-                with self._lock:  # timed out: stop any wake-up, unless one is already on its way
-                    coming = not reader.armed  # disarmed by the store that completed it, or an abort
-                    reader.armed = False
-                if coming:
-                    gate.wait(ticket)
-                    holding = True
-        finally:
-            if not holding:
-                gate.take(priority)
+        while True:  # every `wait` returns in this peer's turn, timed out or not
+            with self._lock:
+                remaining = self._collect(keys, deadline, out, sizes, reader, registered, rejected)
+            if remaining is None:
+                return out
+            if gate.wait(ticket, min(remaining, 1.0)):
+                continue  # admitted: its messages are stored (or the run aborted)
+            with self._lock:  # timed out: stop any wake-up, unless one is already on its way
+                coming = not reader.armed  # disarmed by the store that completed it, or an abort
+                reader.armed = False
+            if coming:
+                gate.wait(ticket)  # take that admission now: a later one would wake a later wait
 
     def _collect(self, keys: list[tuple[str, int, int]], deadline: float, out: dict[str, Message],
                  sizes: dict[str, int] | None, reader: _Reader, registered: list[tuple[str, int, int]],
