@@ -82,6 +82,10 @@ METHODS = (
     MethodDef("dispfl", "DisPFL", "dispfl", ""),
     MethodDef("dpsgd", "D-PSGD", "dpsgd", ""),
     MethodDef("deprl-steps", "DePRL (literal)", "deprl", "τ = 2 head steps + 1 representation step (Algorithm 1)"),
+    # diagnostics of the DePRL gap (table1/ring-pi0.1-diag.yaml): the epochs reading with another lr schedule only
+    MethodDef("deprl-flatlr", "DePRL (no lr decay)", "deprl", "diagnostic: epochs reading, lr 0.005 / 0.01 without decay"),
+    MethodDef("deprl-dpsgdlr", "DePRL (D-PSGD's lr)", "deprl",
+              "diagnostic: epochs reading, lr 0.05 / 0.1 ×0.998 per round (D-PSGD's schedule)"),
     # parameter-server baselines on Flower's runtime (table1/ps-*.yaml), DePRL Table 7's columns
     MethodDef("fedavg", "FedAvg", "fedavg", "parameter server (Flower), D-PSGD's local rule"),
     MethodDef("fedrep", "FedRep", "fedrep", "parameter server (Flower), DePRL's local rule (epochs reading)"),
@@ -146,7 +150,10 @@ def split(stem: str) -> tuple[str, str, str]:
     return (stem, f"{stem}-seed0", f"{stem}-seeds12")
 
 
-SWEEPS = tuple(SweepDef(split(f"{g}-pi{pi}"), "deprl-t1", g, pi) for g, _ in GRAPHS for pi in PIS) + (
+#: Extra sweep files pooled into a group: diagnostics that are not Table 1 cells (their own method rows).
+EXTRA_FILES = {("ring", 0.1): ("ring-pi0.1-diag",)}
+SWEEPS = tuple(SweepDef(split(f"{g}-pi{pi}") + EXTRA_FILES.get((g, pi), ()), "deprl-t1", g, pi)
+               for g, _ in GRAPHS for pi in PIS) + (
     SweepDef(("smoke-ring-pi0.1", "smoke-ring-pi0.1-seeds12"), "deprl-t1-smoke", "ring", 0.1),
 ) + tuple(SweepDef((f"ps-ring-pi{pi}",), "deprl-t7", "ring", pi) for pi in PIS) + (
     SweepDef(("ps-smoke-ring-pi0.1", "ps-smoke-ring-pi0.1-ditto", "ps-smoke-ring-pi0.1-fedrod"), "deprl-t7-smoke",
