@@ -237,14 +237,20 @@ class Node:
                 res.received = {}
             if step == 0 and res.received:
                 # Distance of our shared part to the mean of the neighbours' (same round, before mixing).
-                # k * (own - mean) = k * own - sum: one temporary instead of a stack, a mean and a difference
+                # k * (mean - own) = sum - k * own: one temporary written k times (once for k = 1), a norm
                 n = min(self.layout.num_shared, msg.flat.numel())
                 k = len(res.received)
-                gap = msg.flat[:n] * k
                 # in plan order, as mixing: arrival order (the dict's) differs between transports and runs
                 rank = {j: i for i, j in enumerate(plan.in_weights)}
-                for j in sorted(res.received, key=lambda j: (rank.get(j, len(rank)), j)):
-                    gap.sub_(res.received[j].flat[:n])
+                order = sorted(res.received, key=lambda j: (rank.get(j, len(rank)), j))
+                flats = [res.received[j].flat[:n] for j in order]
+                if k == 1:
+                    gap = torch.sub(flats[0], msg.flat[:n])
+                else:
+                    gap = torch.add(flats[0], flats[1])
+                    for f in flats[2:]:
+                        gap.add_(f)
+                    gap.sub_(msg.flat[:n], alpha=k)
                 consensus = float(torch.linalg.vector_norm(gap)) / k
             self.algorithm.combine(self.state, r, step, msg, res.received, plan)
             if plan.mode == "push":

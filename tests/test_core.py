@@ -61,6 +61,30 @@ def test_mixing_matches_matrix_and_renormalizes_missing() -> None:
     assert mix_scalar(1.0, plan, {only: xs[only]}, "mu") == pytest.approx(1.0)
 
 
+def test_mix_into_gives_the_same_bits_into_own_apart_or_overlapping() -> None:
+    """mix_into accumulates in `out` directly unless `out` partly overlaps `own`: every case must give
+    the reference `w_self * own + sum w_j x_j` (plan order) bit for bit, and leave a partial overlap right."""
+    topo = generate("ring", 4)
+    plan = topo.plan("p0", 0)
+    g = torch.Generator().manual_seed(3)
+    received = {j: Message(j, 0, 0, "h", (), torch.randn(64, generator=g)) for j in plan.in_weights}
+    own = torch.randn(64, generator=g)
+    total = plan.self_weight + sum(plan.in_weights.values())
+    ref = own * (plan.self_weight / total)
+    for j, w in plan.in_weights.items():
+        ref.add_(received[j].flat, alpha=w / total)
+    apart = torch.empty(64)
+    mix_into(apart, own, plan, received)
+    assert torch.equal(apart, ref)
+    same = own.clone()
+    mix_into(same, same, plan, received)  # out is own
+    assert torch.equal(same, ref)
+    buf = torch.zeros(96)
+    buf[:64] = own
+    mix_into(buf[16:80], buf[:64], plan, received)  # partial overlap: needs the temporary
+    assert torch.equal(buf[16:80], ref)
+
+
 def test_memory_transport_exchanges_and_times_out() -> None:
     topo = generate("ring", 3)
     hub = MemoryHub()

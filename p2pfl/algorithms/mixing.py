@@ -49,11 +49,28 @@ def mix_into(out: torch.Tensor, own: torch.Tensor, plan: MixingPlan, received: d
         order = [j for j in plan.in_weights if j in weights]
         out.copy_(robust_mix(own, [received[j].flat for j in order], self_w, [weights[j] for j in order], rule))
         return
-    acc = own * self_w  # a new buffer: `out` may alias `own`
+    # Accumulate in `out` itself when it is `own` or apart from it (the Node's case: `own` is the
+    # published snapshot): no temporary and no copy back, the same operations in the same order,
+    # so the same bits. A partial overlap or another device needs a temporary.
+    same = out.data_ptr() == own.data_ptr() and out.stride() == own.stride()
+    direct = out.device == own.device and out.dtype == own.dtype and (same or not _overlap(out, own))
+    acc = out if direct else torch.empty_like(own)
+    torch.mul(own, self_w, out=acc)
     for j in plan.in_weights:  # fixed order => bitwise reproducible
         if j in weights:
             acc.add_(received[j].flat.to(acc.device, non_blocking=True), alpha=weights[j])
-    out.copy_(acc)
+    if acc is not out:
+        out.copy_(acc)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors may share memory: byte ranges for contiguous ones, else the same storage."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return True
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def mix_scalar(own: float, plan: MixingPlan, received: dict[str, Message], key: str,
