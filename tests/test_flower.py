@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,51 @@ def test_fedrep_under_flowers_ray_runtime_matches_the_in_process_numbers(tmp_pat
     ray_recs = [{k: r[k] for k in keys} for r in _records(ray_dir)]
     assert len(ray_recs) == 4
     assert ray_recs == [{k: r[k] for k in keys} for r in _records(tmp_path / "inproc")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not ray_available(), reason="flwr[simulation] (Ray) is not installed")
+@pytest.mark.parametrize("nodes_up", [False, True], ids=["before-nodes-connect", "waiting-for-replies"])
+def test_a_failed_flower_runtime_leaves_no_serverapp_thread_behind(tmp_path: Path, monkeypatch,
+                                                                   nodes_up: bool) -> None:
+    """Flower's runtime failing after the ServerApp started (as when Ray's raylet does not register in
+    time) must not leave the ServerApp's non-daemon thread waiting, for nodes or for the replies to its
+    first round: CI hung at exit on such a thread. The failing runtime registers the nodes (or not)
+    in flwr's link state as the real one does, then raises instead of running them."""
+    import threading
+    import time
+
+    from flwr.simulation import run_simulation as flwr_run_simulation
+
+    vce = sys.modules[flwr_run_simulation.__module__].vce
+    cfg = load_config(tiny_config(tmp_path, peers=2, rounds=2))
+
+    def failing_runtime(**kwargs) -> None:
+        if nodes_up:
+            vce.vce_api._register_nodes(kwargs["num_supernodes"], kwargs["state_factory"])
+        time.sleep(1.0)  # the ServerApp waits for nodes, or has sent its first round and waits for replies
+        raise RuntimeError("raylet did not register")
+
+    monkeypatch.setattr(vce, "start_vce", failing_runtime)
+    from p2pfl.flower import baselines
+
+    sent = []
+    real = baselines.StoppableGrid.send_and_receive
+
+    def spy(self, messages, **kwargs):
+        sent.append(True)
+        return real(self, messages, **kwargs)
+
+    monkeypatch.setattr(baselines.StoppableGrid, "send_and_receive", spy)
+    before = set(threading.enumerate())
+    with pytest.raises(RuntimeError):
+        run_baseline(cfg, tmp_path / "run", "fedavg", runtime="ray")
+    deadline = time.monotonic() + 10
+    while (left := [t for t in set(threading.enumerate()) - before if not t.daemon and t.is_alive()]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"threads still running: {[t.name for t in left]}"
+    assert bool(sent) == nodes_up  # the thread was stopped where this case says it waited
 
 
 @pytest.mark.timeout(300)

@@ -468,12 +468,69 @@ class RecordingFedAvg(FedAvg):
         return super().aggregate_evaluate(server_round, replies)
 
 
-def make_server_app(strategy: FedAvg, initial: ArrayRecord, rounds: int) -> ServerApp:
-    """A ServerApp whose main runs ``strategy`` from ``initial`` for ``rounds`` rounds."""
+class StoppableGrid(Grid):
+    """A Grid whose ``send_and_receive`` gives up as soon as ``stop`` is set.
+
+    Why: ``flwr.simulation.run_simulation`` runs the ServerApp in a non-daemon thread and, when its
+    runtime fails (e.g. Ray's raylet not registering in time on a loaded machine), returns with an
+    error but leaves that thread waiting for replies that never come, up to the strategy's timeout
+    (3600 s): the process then cannot exit. ``run_baseline`` sets ``stop`` when the runtime returns,
+    so the thread ends within one poll, whether it waits for nodes to connect or for replies.
+    Everything else is the wrapped grid's.
+    """
+
+    def __init__(self, grid: Grid, stop: threading.Event, poll_s: float = 0.1) -> None:
+        self._grid, self._stop, self._poll_s = grid, stop, poll_s
+
+    def set_run(self, run: Any) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self._grid.run
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        return self._grid.create_message(*args, **kwargs)
+
+    def get_node_ids(self) -> Iterable[int]:
+        # flwr's node sampling calls this in a loop until enough nodes have connected
+        self._raise_if_stopped("before the nodes connected")
+        return self._grid.get_node_ids()
+
+    def _raise_if_stopped(self, when: str) -> None:
+        if self._stop.is_set():
+            raise FlowerPeerError(f"the simulation runtime stopped {when}")
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        waiting = set(self.push_messages(messages))
+        end = None if timeout is None else time.monotonic() + timeout
+        replies: list[Message] = []
+        while waiting:
+            self._raise_if_stopped(f"with {len(waiting)} replies outstanding")
+            got = list(self.pull_messages(waiting))
+            replies.extend(got)
+            waiting.difference_update(m.metadata.reply_to_message_id for m in got)
+            if not waiting or (end is not None and time.monotonic() >= end):
+                break
+            self._stop.wait(self._poll_s)
+        return replies
+
+
+def make_server_app(strategy: FedAvg, initial: ArrayRecord, rounds: int,
+                    stop: threading.Event | None = None) -> ServerApp:
+    """A ServerApp whose main runs ``strategy`` from ``initial`` for ``rounds`` rounds (until ``stop``)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
+        if stop is not None:
+            grid = StoppableGrid(grid, stop)
         strategy.start(grid, initial, num_rounds=rounds, train_config=ConfigRecord({"num-rounds": rounds}))
 
     return app
@@ -549,11 +606,15 @@ def run_baseline(cfg: ExperimentConfig, out_dir: str | Path, baseline: str = "fe
             from flwr.simulation import run_simulation
 
             cpus = ray_cpus or max(1, min(len(ids), _cpus()))
-            run_simulation(server_app=make_server_app(strategy, initial, cfg.rounds), client_app=client_app,
-                           num_supernodes=len(ids),
-                           backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                           "init_args": {"num_cpus": cpus, "include_dashboard": False}},
-                           verbose_logging=verbose)
+            stop = threading.Event()
+            try:
+                run_simulation(server_app=make_server_app(strategy, initial, cfg.rounds, stop),
+                               client_app=client_app, num_supernodes=len(ids),
+                               backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                               "init_args": {"num_cpus": cpus, "include_dashboard": False}},
+                               verbose_logging=verbose)
+            finally:
+                stop.set()  # a ServerApp thread the runtime left waiting ends now (StoppableGrid)
         else:
             saved_threads = torch.get_num_threads()
             try:
