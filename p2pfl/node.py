@@ -243,7 +243,7 @@ class Node:
                 # in plan order, as mixing: arrival order (the dict's) differs between transports and runs
                 rank = {j: i for i, j in enumerate(plan.in_weights)}
                 order = sorted(res.received, key=lambda j: (rank.get(j, len(rank)), j))
-                flats = [res.received[j].flat[:n] for j in order]
+                flats = [res.received[j].flat[:n].to(msg.flat.device, non_blocking=True) for j in order]
                 if k == 1:
                     gap = torch.sub(flats[0], msg.flat[:n])
                 else:
