@@ -151,7 +151,7 @@ def split(stem: str) -> tuple[str, str, str]:
 
 
 #: Extra sweep files pooled into a group: diagnostics that are not Table 1 cells (their own method rows).
-EXTRA_FILES = {("ring", 0.1): ("ring-pi0.1-diag",)}
+EXTRA_FILES = {("ring", 0.1): ("ring-pi0.1-diag", "ring-pi0.1-diag-seed1")}
 SWEEPS = tuple(SweepDef(split(f"{g}-pi{pi}") + EXTRA_FILES.get((g, pi), ()), "deprl-t1", g, pi)
                for g, _ in GRAPHS for pi in PIS) + (
     SweepDef(("smoke-ring-pi0.1", "smoke-ring-pi0.1-seeds12"), "deprl-t1-smoke", "ring", 0.1),
