@@ -58,7 +58,7 @@ e2e: $(STAMP)
 	timeout 300 docker/engine.sh
 	timeout 1200 docker/base-image.sh
 	timeout 900 docker/wheelhouse.sh
-	timeout 1500 $(BIN)/python docker/e2e.py --build-timeout 900 --timeout 900
+	timeout 1500 $(BIN)/python docker/e2e.py --build-timeout 900 --timeout 900 --rounds 160
 
 bench: data
 	$(BIN)/python bench/sim_overhead.py
