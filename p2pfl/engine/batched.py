@@ -62,6 +62,13 @@ def stack_states(states: list[PeerState]) -> PeerState:
     )
 
 
+def on_device(stacked: PeerState, device: torch.device) -> PeerState:
+    """The stacked state with every tensor on ``device`` (itself where they are there already)."""
+    return PeerState(peer_id=stacked.peer_id, params=stacked.params.to(device),
+                     extra={k: v.to(device) for k, v in stacked.extra.items()},
+                     scalars={k: v.to(device) for k, v in stacked.scalars.items()}, round=stacked.round)
+
+
 def peer_state(stacked: PeerState, i: int, peer_id: str) -> PeerState:
     """Peer ``i``'s own PeerState (copies), as the exact engine would hold it."""
     return PeerState(peer_id=peer_id, params=stacked.params[i].clone(),
@@ -142,8 +149,9 @@ class BatchedSimulation:
             self.record(rec)
         every = self.cfg.checkpoint_every
         if self.ckpt_dir is not None and every and ((r + 1) % every == 0 or r + 1 == total_rounds):
+            host = on_device(self.state, torch.device("cpu"))  # one copy off the GPU, not one per peer
             for i, pid in enumerate(self.ids):
-                save_checkpoint(self.ckpt_dir / f"{pid}.npz", peer_state(self.state, i, pid), self.generators[i],
+                save_checkpoint(self.ckpt_dir / f"{pid}.npz", peer_state(host, i, pid), self.generators[i],
                                 durable=False)  # as the exact engine's simulate (docs/protocol.md)
         return recs
 

@@ -46,6 +46,15 @@ EVAL_ROWS = 8192
 VECTORIZE: bool | None = None
 
 
+def _h2d(t: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor onto ``device`` without waiting for the GPU: from pinned memory, queued
+    behind the kernels already in flight (a copy from pageable memory would block the host until
+    they finish, so the next step's Python could not overlap the current step's kernels)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _weighted_ce(logits: Tensor, y: Tensor, w: Tensor) -> Tensor:
     """Mean cross-entropy over the real (weight 1) samples of a padded batch."""
     return (F.cross_entropy(logits, y, reduction="none") * w).sum() / w.sum().clamp(min=1.0)
@@ -60,29 +69,33 @@ class _Rows:
 
     def __init__(self, x: Tensor, y: Tensor, indices: list[np.ndarray], device: torch.device) -> None:
         idx = [torch.from_numpy(np.array(i, dtype=np.int64)) for i in indices]
+        cat = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+        #: peer i's position p is entry offsets[i] + p of ``rows``
+        self.offsets = torch.tensor(np.cumsum([0] + [len(i) for i in idx[:-1]]), dtype=torch.int64)
         if device.type == "cpu":
-            self.x, self.y, self.maps = x, y, idx
+            self.x, self.y, self.rows = x, y, cat
         else:
-            cat = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
             self.x = x.index_select(0, cat).to(device)
             self.y = y.index_select(0, cat).to(device)
-            offsets = np.cumsum([0] + [len(i) for i in idx[:-1]])
-            self.maps = [torch.arange(len(i), dtype=torch.int64) + int(o) for i, o in zip(idx, offsets, strict=True)]
+            self.rows = torch.arange(len(cat), dtype=torch.int64)
         self.device = device
 
     def gather(self, positions: list[Tensor | None], width: int) -> tuple[Tensor, Tensor, Tensor]:
         """``x [peers, width, ...]``, ``y [peers, width]`` and weights (1 real, 0 padding)."""
         rows = torch.zeros(len(positions), width, dtype=torch.int64)
         w = torch.zeros(len(positions), width)
-        for i, pos in enumerate(positions):
-            if pos is not None and pos.numel():
-                n = int(pos.numel())
-                rows[i, :n] = self.maps[i].index_select(0, pos.cpu())
-                w[i, :n] = 1.0
-        flat = rows.reshape(-1).to(self.device)
+        live = [(i, p) for i, p in enumerate(positions) if p is not None and p.numel()]
+        if live:  # a few ops for all peers, not a few per peer
+            lens = torch.tensor([int(p.numel()) for _, p in live])
+            peer = torch.tensor([i for i, _ in live]).repeat_interleave(lens)
+            pos = torch.cat([p for _, p in live]).cpu()
+            col = torch.arange(len(pos)) - (torch.cumsum(lens, 0) - lens).repeat_interleave(lens)
+            rows[peer, col] = self.rows[self.offsets[peer] + pos]
+            w[peer, col] = 1.0
+        flat = _h2d(rows.reshape(-1), self.device)
         x = self.x.index_select(0, flat).reshape(len(positions), width, *self.x.shape[1:])
         y = self.y.index_select(0, flat).reshape(len(positions), width)
-        return x, y, w.to(self.device)
+        return x, y, _h2d(w, self.device)
 
 
 class BatchedContext:
@@ -256,7 +269,7 @@ class BatchedContext:
     def _data_steps(self, phase: Phase, frozen: dict[str, Tensor]) -> Iterator[tuple[Tensor, GradAt]]:
         """Per step: which peers step, and the vmapped gradient on their minibatches."""
         for positions in self._lockstep(phase):
-            active = torch.tensor([p is not None for p in positions], device=self.device)
+            active = _h2d(torch.tensor([p is not None for p in positions]), self.device)
             x, y, w = self._train.gather(positions, max(int(p.numel()) for p in positions if p is not None))
 
             def grad_at(params: dict[str, Tensor], x: Tensor = x, y: Tensor = y, w: Tensor = w):
@@ -272,7 +285,7 @@ class BatchedContext:
         local = {n: n[len(prefix):] for n in names}
         for k in range(max((len(rows) for _, _, rows in plans), default=0)):
             rows = [r[k] if k < len(r) else None for _, _, r in plans]
-            active = torch.tensor([r is not None for r in rows], device=self.device)
+            active = _h2d(torch.tensor([r is not None for r in rows]), self.device)
             width = max(int(r.numel()) for r in rows if r is not None)
             idx = torch.zeros(self.num_peers, width, dtype=torch.int64)
             w = torch.zeros(self.num_peers, width)
@@ -280,7 +293,7 @@ class BatchedContext:
                 if r is not None:
                     idx[i, : r.numel()] = r
                     w[i, : r.numel()] = 1.0
-            idx, w = idx.to(self.device), w.to(self.device)
+            idx, w = _h2d(idx, self.device), _h2d(w, self.device)
             f = torch.gather(feats, 1, idx.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
             y = torch.gather(labels, 1, idx)
 

@@ -1,0 +1,61 @@
+#!/bin/bash
+# The GPU checks of the batched engine (issue 11), as one bounded script for a lent GPU machine.
+#
+# Run from the repository root on a machine whose python3 holds PyTorch with CUDA. What this
+# project needs beyond that image travels in .gpu/ (ignored by git): .gpu/whl/*.whl (pydantic,
+# greenlet, isal, ... for that machine's Python) and .gpu/fashion-mnist/*.gz (the Debian package's
+# files). Each step has its own time limit, so a slow step costs only itself; everything it prints
+# lands in $OUT (default ./gpu-out):
+#
+#   env.txt          GPU, driver, torch
+#   pytest.txt       the batched engine on CUDA against the exact engine on CPU, every algorithm
+#   cnn_small.txt    bench/many_peers.py, 128 cnn_small peers, exact vs batched on the GPU
+#   phases.txt       bench/batched_phases.py: the batched round's time by phase
+#   base_*.txt       with BASE=DIR: the batched engine's figures for the p2pfl in DIR (before/after)
+#   alexnet*.txt     the same two benchmarks with 128 AlexNet peers
+#
+# DEV=cpu PEERS=8 ROUNDS=3 bash bench/gpu_checks.sh   dry-runs the script itself on a CPU box.
+set -u
+OUT=${OUT:-./gpu-out}
+DEV=${DEV:-cuda}
+ROUNDS=${ROUNDS:-11}
+PEERS=${PEERS:-}
+BASE=${BASE:-}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+if [ -z "${NOWHEELS:-}" ] && compgen -G ".gpu/whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+[ -d .gpu/fashion-mnist ] && export P2PFL_DATA_DIR=$PWD/.gpu/fashion-mnist
+export PYTHONUNBUFFERED=1
+peers=(); [ -n "$PEERS" ] && peers=(--peers "$PEERS")
+
+step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output into $OUT/NAME.txt
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout -k 5 "$limit" "$@" >"$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "   rc $rc after $((SECONDS - t0)) s; last lines:"
+  tail -n 4 "$OUT/$name.txt" | cut -c1-600
+}
+
+step env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; \
+  $PY -c 'import torch, p2pfl.simulation; print(torch.__version__, torch.cuda.is_available())'"
+if [ "$DEV" = cuda ]; then
+  step pytest 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_batched.py -k cuda tests/test_data.py::test_cuda_peer_matches_cpu_peer
+fi
+step phases 50 "$PY" bench/batched_phases.py --set device="$DEV" --rounds "$ROUNDS" "${peers[@]}"
+step cnn_small 100 "$PY" bench/many_peers.py --engines exact,batched --set device="$DEV" --rounds "$ROUNDS" --repeats 2 "${peers[@]}"
+if [ -n "$BASE" ]; then  # the same benchmarks over an older p2pfl (its p2pfl/ beside these scripts in $BASE/bench)
+  step base_cnn_small 50 "$PY" "$BASE/bench/many_peers.py" --engines batched --set device="$DEV" --rounds "$ROUNDS" \
+    --repeats 2 "${peers[@]}"
+  step base_phases 50 "$PY" "$BASE/bench/batched_phases.py" --set device="$DEV" --rounds "$ROUNDS" "${peers[@]}"
+fi
+step alexnet_phases 75 "$PY" bench/batched_phases.py --set device="$DEV" --set model.name=alexnet --rounds 4 "${peers[@]}"
+step alexnet 120 "$PY" bench/many_peers.py --engines batched,exact --set device="$DEV" --set model.name=alexnet \
+  --rounds 4 --repeats 1 "${peers[@]}"
