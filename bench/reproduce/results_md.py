@@ -182,6 +182,12 @@ class ClaimDef:
         return f"claims-{self.file}"
 
     @property
+    def folders(self) -> tuple[str, ...]:
+        """Where its cells' evidence may be, first found wins: the CPU sweep's (exact engine), then the
+        same cells run on a GPU with the batched engine (``claims/run_gpu.sh``)."""
+        return (self.folder, f"{self.folder}-gpu")
+
+    @property
     def claim(self) -> str:
         return " > ".join(label for _, label in self.ranking)
 
@@ -225,7 +231,7 @@ _COPIED = ("config.yaml", "summary.json")
 def _finished_cells(root: Path) -> Iterator[tuple[str, Path]]:
     """(sweep folder, cell folder) of every finished cell of the planned sweeps under ``root``
     (``runs/reproduce`` or the evidence), in sweep order, then by name."""
-    for name in [folder(f) for sweep in SWEEPS for f in sweep.files] + [c.folder for c in CLAIMS]:
+    for name in [folder(f) for sweep in SWEEPS for f in sweep.files] + [f for c in CLAIMS for f in c.folders]:
         if (root / name).is_dir():
             for cell in sorted(p for p in (root / name).iterdir() if (p / "summary.json").is_file()):
                 yield name, cell
@@ -319,6 +325,7 @@ class Evidence:
     wall_seconds_per_round: float | None
     runtime: str | None = None  # a Flower run: flwr-simulation-ray | in-process
     cpu_seconds_per_round: float | None = None
+    engine: str = "exact (cpu)"  # simulation.engine (device) of the run
 
 
 def read_evidence(folder: Path) -> Evidence | None:
@@ -336,7 +343,9 @@ def read_evidence(folder: Path) -> Evidence | None:
     avg = None
     if (folder / "avg_model.json").is_file():
         avg = json.loads((folder / "avg_model.json").read_text()).get("acc")
-    return Evidence(seed=int(cfg["seed"]), path=folder.relative_to(ROOT).as_posix(), curve=curve,
+    sim = cfg.get("simulation") or {}
+    engine = f"{sim.get('engine', 'exact')} ({cfg.get('device', 'cpu')})"
+    return Evidence(seed=int(cfg["seed"]), path=folder.relative_to(ROOT).as_posix(), curve=curve, engine=engine,
                     final=curve[-1][1] if curve else float("nan"), rounds=int(cfg["rounds"]), avg_model_acc=avg,
                     wall_seconds_per_round=summary.get("wall_seconds_per_round"), runtime=summary.get("runtime"),
                     cpu_seconds_per_round=(json.loads((folder / "cpu.json").read_text()).get("cpu_seconds_per_round")
@@ -471,7 +480,9 @@ def claim_results(claim: ClaimDef) -> dict[str, Any]:
         entries += [(case, label, paper_of[stands], stands) for case, label, stands in claim.variants]
         for case, label, paper_acc, stands_for in entries:
             where = planned.get((setting, case), [])
-            done = [e for e in (read_evidence(EVIDENCE / claim.folder / name) for _, name in where) if e is not None]
+            found = [next((e for e in (read_evidence(EVIDENCE / f / name) for f in claim.folders) if e is not None),
+                          None) for _, name in where]
+            done = [e for e in found if e is not None]
             personal = _mean_std([100 * e.final for e in done])
             averaged = _mean_std([100 * e.avg_model_acc for e in done if e.avg_model_acc is not None])
             mean, std = averaged if claim.metric == AVERAGED else personal
@@ -485,6 +496,7 @@ def claim_results(claim: ClaimDef) -> dict[str, Any]:
                 "averaged": {"metric": AVERAGED, "mean": _r(averaged[0]), "std": _r(averaged[1])},
                 "flattened": flat, "gain_last_20pct_rounds_pts": gain,
                 "wall_seconds_per_round": [_r(e.wall_seconds_per_round, 1) for e in done],
+                "engines": sorted({e.engine for e in done}),
                 "runs": [e.path for e in done],
             })
         ranked = [m for m in methods if not m["variant_of"]]
@@ -793,7 +805,10 @@ def claims_section(claims: list[dict[str, Any]]) -> list[str]:
            "500–1000; seeds 0–2. Each number is in its paper's own metric (named per claim). The papers' numbers "
            "come from other datasets and models (CIFAR-10, Tiny-ImageNet): only the **ranking** is compared, "
            "never the level. A verdict is computed from mean ± std over seeds as in Table 1. 'flattened' is "
-           "checked on the personalized curve (the one recorded every 5 rounds).", ""]
+           "checked on the personalized curve (the one recorded every 5 rounds). A claim's cells run on this CPU "
+           "with the exact engine, or, where a GPU was lent, the same cells on it with the batched engine "
+           "(`claims/run_gpu.sh`: equal to the exact engine up to float reassociation, `tests/test_batched.py`); "
+           "the last column says which.", ""]
     rows = [[c["table"], c["claim"], c["metric"], c["paper_source"], c["status"]] for c in claims]
     doc += md_table(["table", "claim", "metric", "paper", "status"], rows) + [""]
     for c in claims:
@@ -805,9 +820,10 @@ def claims_section(claims: list[dict[str, Any]]) -> list[str]:
             for m in st["methods"]:
                 flat = "—" if m["flattened"] is None else \
                     f"{'yes' if m['flattened'] else 'no'} ({m['gain_last_20pct_rounds_pts']:+.2f})"
-                rows.append([st["setting"], m["method"], fmt(m), f"{m['paper']:.2f}", flat, m["status"]])
-        doc += md_table(["graph", "method", "ours (%)", "paper (%)", "flattened (gain, last 20 %)", "status"],
-                        rows) + [""]
+                rows.append([st["setting"], m["method"], fmt(m), f"{m['paper']:.2f}", flat, m["status"],
+                             ", ".join(m.get("engines", [])) or "—"])
+        doc += md_table(["graph", "method", "ours (%)", "paper (%)", "flattened (gain, last 20 %)", "status",
+                         "engine (device)"], rows) + [""]
         rows = [[st["setting"], o["claim"], "—" if o["diff_pts"] is None else f"{o['diff_pts']:+.2f}",
                  f"{o['paper_diff_pts']:+.2f}", o["result"]] for st in c["settings"] for o in st["orderings"]]
         doc += md_table(["graph", "claim", "Δ ours (pts)", "Δ paper (pts)", "result"], rows) + [""]
