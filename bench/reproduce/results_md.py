@@ -807,7 +807,8 @@ def claims_section(claims: list[dict[str, Any]]) -> list[str]:
            "never the level. A verdict is computed from mean ± std over seeds as in Table 1. 'flattened' is "
            "checked on the personalized curve (the one recorded every 5 rounds). A claim's cells run on this CPU "
            "with the exact engine, or, where a GPU was lent, the same cells on it with the batched engine "
-           "(`claims/run_gpu.sh`: equal to the exact engine up to float reassociation, `tests/test_batched.py`); "
+           "(`claims/run_gpu.sh`; on a CPU it equals the exact engine up to float reassociation, `tests/test_batched.py`, "
+           "while on a GPU cuDNN also runs the convolutions in TF32, PyTorch's default, a coarser rounding); "
            "the last column says which.", ""]
     rows = [[c["table"], c["claim"], c["metric"], c["paper_source"], c["status"]] for c in claims]
     doc += md_table(["table", "claim", "metric", "paper", "status"], rows) + [""]
