@@ -287,3 +287,23 @@ def test_a_finished_cell_from_a_gone_code_snapshot_is_finished_when_git_has_the_
     saved = {**yaml.safe_load(planned_cfg.read_text()), "topology": f"/x/code-{sha}/topology/ring-4.yaml", "seed": 99}
     (cell / "config.yaml").write_text(yaml.safe_dump(saved))
     assert sweep.cell_state(cell, planned) == "stale"
+
+
+def test_a_cell_run_with_a_default_spelled_out_is_the_planned_cell(tmp_path: Path) -> None:
+    """A cell run by hand with ``--set simulation.engine=exact`` (the default) counts as the sweep's
+    finished cell; one run with the batched engine does not (its numbers differ by float rounding)."""
+    from p2pfl import sweep
+    from p2pfl.config import parse_config
+
+    planned_cfg = tiny_config(tmp_path)
+    raw = yaml.safe_load(planned_cfg.read_text())
+    planned = sweep._normalize(parse_config(raw).raw)
+    assert "engine" not in planned.get("simulation", {})
+    cell = tmp_path / "runs" / "cell"
+    cell.mkdir(parents=True)
+    (cell / "summary.json").write_text("{}")
+    (cell / "metrics.jsonl").write_text("")
+    for engine, state in (("exact", "finished"), ("batched", "stale")):
+        saved = {**raw, "simulation": {**raw.get("simulation", {}), "engine": engine}}
+        (cell / "config.yaml").write_text(yaml.safe_dump(saved))
+        assert sweep.cell_state(cell, planned) == state, engine
