@@ -27,7 +27,9 @@ deleted and rerun from scratch, so no cell ever mixes two configs. ``sweep.json`
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import fcntl
 import hashlib
 import json
 import os
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -549,6 +552,28 @@ def run_sweep(spec: SweepSpec, out: Path | None = None, *, jobs: int = 1, dry_ru
     jobs = max(1, int(jobs))
     cells = plan_cells(spec, jobs=jobs, cores=cores)
     out = Path(out) if out is not None else default_out(spec)
+    with contextlib.ExitStack() as held:
+        if not dry_run:
+            out.mkdir(parents=True, exist_ok=True)
+            held.enter_context(_folder_lock(out))  # before reading the cells' states: they decide what runs
+        return _run_cells(spec, cells, out, jobs=jobs, dry_run=dry_run, progress=progress)
+
+
+@contextlib.contextmanager
+def _folder_lock(out: Path) -> Iterator[None]:
+    """One sweep at a time per folder: two would run the same pending cell into one cell folder."""
+    path = out / ".sweep.lock"
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SweepError(f"{out}: another p2pfl sweep is running into this folder ({path.name} is held); "
+                             "wait for it or give another --out") from None
+        yield
+
+
+def _run_cells(spec: SweepSpec, cells: list[Cell], out: Path, *, jobs: int, dry_run: bool,
+               progress: bool) -> SweepResult:
     result = SweepResult(out=out)
     states = {c.name: cell_state(out / c.name, c.config) for c in cells}
     for c in cells:
@@ -557,7 +582,6 @@ def run_sweep(spec: SweepSpec, out: Path | None = None, *, jobs: int = 1, dry_ru
     if dry_run:
         return result
 
-    out.mkdir(parents=True, exist_ok=True)
     write_index(out, spec, result.cells, jobs)
     todo = deque(r for r in result.cells if r.status == "pending")
     bar, task = _progress(progress, len(cells), len(cells) - len(todo))

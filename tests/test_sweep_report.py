@@ -307,3 +307,22 @@ def test_a_cell_run_with_a_default_spelled_out_is_the_planned_cell(tmp_path: Pat
         saved = {**raw, "simulation": {**raw.get("simulation", {}), "engine": engine}}
         (cell / "config.yaml").write_text(yaml.safe_dump(saved))
         assert sweep.cell_state(cell, planned) == state, engine
+
+
+def test_a_second_sweep_into_the_same_folder_is_refused_before_it_runs(tmp_path: Path) -> None:
+    """Two sweeps into one folder would run the same pending cell into one cell folder: while one
+    holds the folder, another is refused in one line, and nothing of it is written."""
+    import fcntl
+
+    from p2pfl.sweep import SweepError, parse_sweep, run_sweep
+
+    cfg = tiny_config(tmp_path, rounds=1)
+    spec = parse_sweep({"name": "locked", "base": str(cfg), "grid": {"seed": [1, 2]}}, tmp_path / "s.yaml")
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".sweep.lock", "a") as held:  # what a running sweep holds
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SweepError, match="another p2pfl sweep is running into this folder"):
+            run_sweep(spec, out, progress=False)
+        assert sorted(p.name for p in out.iterdir()) == [".sweep.lock"]
+        assert run_sweep(spec, out, dry_run=True, progress=False).cells  # a dry run only reads
