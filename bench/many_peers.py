@@ -32,7 +32,8 @@ image's own; ``bench/gpu_checks.sh``, whose outputs the closing note of issue 11
 (one process drives the GPU: CUDA does not survive fork), batched 0.045/0.042, **13.6x** median
 (min 13.2x); same final accuracy (0.50360). AlexNet (23 M parameters per peer), ``--set
 model.name=alexnet --rounds 4 --repeats 1``: exact 9.854, batched 0.412 s per round, **23.9x**; peak
-RSS 13.7 GB for batched (its checkpoints: one copy of the whole stack off the GPU) vs 1.8 GB. The
+RSS 13.7 GB for batched (its checkpoints took one copy of the whole stack off the GPU; since then
+they take 256 MB at a time, not yet measured on a GPU) vs 1.8 GB. The
 batched round of cnn_small by phase (``bench/batched_phases.py``, a synchronize around each
 phase): train 23 ms (3 vmapped steps of all 128 peers), evaluation 9.6, checkpoints 11.9 (two
 rounds of ten write 128 files each), gossip 3.8 (of which wire sizes 0.9), records 1.3 ms. The

@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 Record = Callable[[dict[str, Any]], None]
 
 
+#: Most bytes of peer state one checkpoint copy takes off the device at a time.
+CHECKPOINT_CHUNK_BYTES = 256 << 20
+
+
 class BatchedEngineError(RuntimeError):
     """The batched engine cannot run this experiment (the message says why)."""
 
@@ -149,11 +153,28 @@ class BatchedSimulation:
             self.record(rec)
         every = self.cfg.checkpoint_every
         if self.ckpt_dir is not None and every and ((r + 1) % every == 0 or r + 1 == total_rounds):
-            host = on_device(self.state, torch.device("cpu"))  # one copy off the GPU, not one per peer
-            for i, pid in enumerate(self.ids):
-                save_checkpoint(self.ckpt_dir / f"{pid}.npz", peer_state(host, i, pid), self.generators[i],
-                                durable=False)  # as the exact engine's simulate (docs/protocol.md)
+            self._checkpoint()
         return recs
+
+    def _checkpoint(self) -> None:
+        """Every peer's checkpoint file, as the exact engine's simulate writes them (not fsynced,
+        docs/protocol.md). Off a GPU in a few copies of many peers each, not one copy per peer
+        (a synchronization each) nor one of the whole stack (measured: 13.7 GB of host memory for
+        128 AlexNet peers)."""
+        assert self.ckpt_dir is not None
+        per_peer = self.state.params[0].nbytes + sum(v[0].nbytes for v in self.state.extra.values())
+        chunk = max(1, CHECKPOINT_CHUNK_BYTES // max(1, per_peer))
+        cpu = torch.device("cpu")
+        for start in range(0, len(self.ids), chunk):
+            part = slice(start, start + chunk)
+            host = on_device(PeerState(peer_id="*", params=self.state.params[part],
+                                       extra={k: v[part] for k, v in self.state.extra.items()},
+                                       scalars={k: v[part] for k, v in self.state.scalars.items()},
+                                       round=self.state.round), cpu)
+            for k, pid in enumerate(self.ids[part]):
+                i = start + k
+                save_checkpoint(self.ckpt_dir / f"{pid}.npz", peer_state(host, k, pid), self.generators[i],
+                                durable=False)
 
     # -- gossip ---------------------------------------------------------------------------------
     def gossip(self, r: int) -> dict[str, list]:
