@@ -138,6 +138,13 @@ def test_a_claim_is_judged_in_its_papers_metric_from_the_committed_cells(
     assert out["status"] == "1 of 2 methods done"
     doc = "\n".join(rmd.claims_section([out]))
     assert "| random-pull-100 | DFedADMM > DFedAvg | +10.50 | +2.94 | holds |" in doc
+    # before any method has all its seeds, the claim counts its cells (and its table is shown)
+    for case, seeds in (("dfedadmm", (1, 2)), ("dfedavg", (0, 1))):
+        for seed in seeds:
+            shutil.rmtree(evidence / claim.folder / f"{case}__seed={seed}")
+    out = rmd.claim_results(claim)
+    assert out["status"] == "1 of 6 cells done"
+    assert "| random-pull-100 | DFedADMM | 80.00 (1 seed) |" in "\n".join(rmd.claims_section([out]))
 
 
 def test_a_named_variant_is_judged_against_the_neighbours_of_the_case_it_stands_for(tmp_path: Path,
