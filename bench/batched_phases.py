@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         sim.gossip = timed("gossip", sim.gossip)  # type: ignore[method-assign]
         sim._wire_sizes = timed("gossip.wire_sizes", sim._wire_sizes)  # type: ignore[method-assign]  # noqa: SLF001
         sim.ctx.evaluate = timed("evaluate", sim.ctx.evaluate)  # type: ignore[method-assign]
-        batched.save_checkpoint = timed("checkpoints", batched.save_checkpoint)  # type: ignore[assignment]
+        sim._checkpoint = timed("checkpoints", sim._checkpoint)  # type: ignore[method-assign]  # noqa: SLF001
         per_round: list[dict[str, float]] = []
         for r in range(cfg.rounds):
             spent.clear()

@@ -23,14 +23,7 @@ PEERS=${PEERS:-}
 BASE=${BASE:-}
 PY=${PY:-python3}
 mkdir -p "$OUT"
-if [ -z "${NOWHEELS:-}" ] && compgen -G ".gpu/whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-[ -d .gpu/fashion-mnist ] && export P2PFL_DATA_DIR=$PWD/.gpu/fashion-mnist
+source bench/gpu_env.sh  # wheels and data (.gpu/)
 export PYTHONUNBUFFERED=1
 peers=(); [ -n "$PEERS" ] && peers=(--peers "$PEERS")
 

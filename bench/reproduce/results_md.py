@@ -460,6 +460,11 @@ def verdict(a: dict[str, Any], b: dict[str, Any]) -> tuple[float | None, str]:
     return diff, "fails" if sep else "fails (1 seed: no spread)"
 
 
+def claim_evidence(claim: ClaimDef, cell: str) -> Evidence | None:
+    """A claim cell's committed evidence from the first of ``claim.folders`` that has it."""
+    return next((e for e in (read_evidence(EVIDENCE / f / cell) for f in claim.folders) if e is not None), None)
+
+
 def claim_results(claim: ClaimDef) -> dict[str, Any]:
     """One results.json entry per claim: per setting, each ranked method's mean ± std over seeds in the
     paper's metric (x̄ or personalized), and the verdict of each consecutive pair of the ranking."""
@@ -480,9 +485,7 @@ def claim_results(claim: ClaimDef) -> dict[str, Any]:
         entries += [(case, label, paper_of[stands], stands) for case, label, stands in claim.variants]
         for case, label, paper_acc, stands_for in entries:
             where = planned.get((setting, case), [])
-            found = [next((e for e in (read_evidence(EVIDENCE / f / name) for f in claim.folders) if e is not None),
-                          None) for _, name in where]
-            done = [e for e in found if e is not None]
+            done = [e for e in (claim_evidence(claim, name) for _, name in where) if e is not None]
             personal = _mean_std([100 * e.final for e in done])
             averaged = _mean_std([100 * e.avg_model_acc for e in done if e.avg_model_acc is not None])
             mean, std = averaged if claim.metric == AVERAGED else personal

@@ -66,11 +66,11 @@ def stack_states(states: list[PeerState]) -> PeerState:
     )
 
 
-def on_device(stacked: PeerState, device: torch.device) -> PeerState:
-    """The stacked state with every tensor on ``device`` (itself where they are there already)."""
-    return PeerState(peer_id=stacked.peer_id, params=stacked.params.to(device),
-                     extra={k: v.to(device) for k, v in stacked.extra.items()},
-                     scalars={k: v.to(device) for k, v in stacked.scalars.items()}, round=stacked.round)
+def rows_on(stacked: PeerState, rows: slice, device: torch.device) -> PeerState:
+    """Peers ``rows`` of the stacked state, every tensor on ``device`` (views where they are there already)."""
+    return PeerState(peer_id=stacked.peer_id, params=stacked.params[rows].to(device),
+                     extra={k: v[rows].to(device) for k, v in stacked.extra.items()},
+                     scalars={k: v[rows].to(device) for k, v in stacked.scalars.items()}, round=stacked.round)
 
 
 def peer_state(stacked: PeerState, i: int, peer_id: str) -> PeerState:
@@ -164,16 +164,10 @@ class BatchedSimulation:
         assert self.ckpt_dir is not None
         per_peer = self.state.params[0].nbytes + sum(v[0].nbytes for v in self.state.extra.values())
         chunk = max(1, CHECKPOINT_CHUNK_BYTES // max(1, per_peer))
-        cpu = torch.device("cpu")
         for start in range(0, len(self.ids), chunk):
-            part = slice(start, start + chunk)
-            host = on_device(PeerState(peer_id="*", params=self.state.params[part],
-                                       extra={k: v[part] for k, v in self.state.extra.items()},
-                                       scalars={k: v[part] for k, v in self.state.scalars.items()},
-                                       round=self.state.round), cpu)
-            for k, pid in enumerate(self.ids[part]):
-                i = start + k
-                save_checkpoint(self.ckpt_dir / f"{pid}.npz", peer_state(host, k, pid), self.generators[i],
+            host = rows_on(self.state, slice(start, start + chunk), torch.device("cpu"))
+            for k, pid in enumerate(self.ids[start : start + chunk]):
+                save_checkpoint(self.ckpt_dir / f"{pid}.npz", peer_state(host, k, pid), self.generators[start + k],
                                 durable=False)
 
     # -- gossip ---------------------------------------------------------------------------------

@@ -19,16 +19,8 @@ JOBS=${JOBS:-6}
 DEADLINE=${DEADLINE:-330}
 DEV=${DEV:-cuda}
 mkdir -p "$OUT"
-if [ -z "${NOWHEELS:-}" ] && compgen -G ".gpu/whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-[ -d .gpu/fashion-mnist ] && export P2PFL_DATA_DIR=$PWD/.gpu/fashion-mnist
+source bench/gpu_env.sh  # wheels and data (.gpu/)
 [ $# -eq 0 ] && set -- dfedadmm dfedpgp dfedmdc dfedsam
-names=()
 for claim in "$@"; do
   file=bench/reproduce/claims/$claim-gpu.yaml
   "$PY" - "$claim" "$file" "$DEV" <<'EOF' || exit 1
@@ -47,9 +39,9 @@ EOF
   timeout -k 20 "$left" "$PY" -m p2pfl.cli sweep "$file" --out "runs/reproduce/claims-$claim-gpu" --jobs "$JOBS" \
     --quiet >"$OUT/claims-$claim-gpu.log" 2>&1
   echo "   rc $? at ${SECONDS}s: $(ls runs/reproduce/claims-$claim-gpu/*/summary.json 2>/dev/null | wc -l) cells finished"
-  names+=("claims-$claim-gpu")
 done
-"$PY" - "${names[@]}" <<'EOF'
+# every finished cell under runs/reproduce: on a lent machine, this run's
+"$PY" - <<'EOF'
 import sys
 from pathlib import Path
 sys.path.insert(0, "bench/reproduce")
