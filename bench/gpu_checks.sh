@@ -12,8 +12,11 @@
 #   cnn_small.txt    bench/many_peers.py, 128 cnn_small peers, exact vs batched on the GPU
 #   phases.txt       bench/batched_phases.py: the batched round's time by phase
 #   base_*.txt       with BASE=DIR: the batched engine's figures for the p2pfl in DIR (before/after)
-#   alexnet*.txt     the same two benchmarks with 128 AlexNet peers
+#   tf32.txt         batched_phases.py again with ``tf32: true`` (the default is IEEE float32): its cost
+#   alexnet*.txt     the same two benchmarks with 128 AlexNet peers (alexnet_batched.txt: batched only,
+#                    with its peak host memory)
 #
+# STEPS="env pytest tf32" picks steps (default: every step but alexnet_batched).
 # DEV=cpu PEERS=8 ROUNDS=3 bash bench/gpu_checks.sh   dry-runs the script itself on a CPU box.
 set -u
 OUT=${OUT:-./gpu-out}
@@ -27,8 +30,10 @@ source bench/gpu_env.sh  # wheels and data (.gpu/)
 export PYTHONUNBUFFERED=1
 peers=(); [ -n "$PEERS" ] && peers=(--peers "$PEERS")
 
+STEPS=${STEPS:-env pytest phases tf32 cnn_small alexnet_phases alexnet}
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output into $OUT/NAME.txt
   local name=$1 limit=$2; shift 2
+  case " $STEPS " in *" $name "*|*" ${name#base_} "*) ;; *) return 0 ;; esac
   echo "== $name (limit ${limit}s): $*"
   local t0=$SECONDS
   timeout -k 5 "$limit" "$@" >"$OUT/$name.txt" 2>&1
@@ -40,9 +45,11 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output into
 step env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; \
   $PY -c 'import torch, p2pfl.simulation; print(torch.__version__, torch.cuda.is_available())'"
 if [ "$DEV" = cuda ]; then
-  step pytest 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_batched.py -k cuda tests/test_data.py::test_cuda_peer_matches_cpu_peer
+  step pytest 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_batched.py -k cuda tests/test_data.py::test_cuda_peer_matches_cpu_peer \
+    tests/test_precision.py
 fi
 step phases 50 "$PY" bench/batched_phases.py --set device="$DEV" --rounds "$ROUNDS" "${peers[@]}"
+step tf32 50 "$PY" bench/batched_phases.py --set device="$DEV" --set tf32=true --rounds "$ROUNDS" "${peers[@]}"
 step cnn_small 100 "$PY" bench/many_peers.py --engines exact,batched --set device="$DEV" --rounds "$ROUNDS" --repeats 2 "${peers[@]}"
 if [ -n "$BASE" ]; then  # the same benchmarks over an older p2pfl (its p2pfl/ beside these scripts in $BASE/bench)
   step base_cnn_small 50 "$PY" "$BASE/bench/many_peers.py" --engines batched --set device="$DEV" --rounds "$ROUNDS" \
@@ -51,4 +58,6 @@ if [ -n "$BASE" ]; then  # the same benchmarks over an older p2pfl (its p2pfl/ b
 fi
 step alexnet_phases 75 "$PY" bench/batched_phases.py --set device="$DEV" --set model.name=alexnet --rounds 4 "${peers[@]}"
 step alexnet 120 "$PY" bench/many_peers.py --engines batched,exact --set device="$DEV" --set model.name=alexnet \
+  --rounds 4 --repeats 1 "${peers[@]}"
+step alexnet_batched 90 "$PY" bench/many_peers.py --engines batched --set device="$DEV" --set model.name=alexnet \
   --rounds 4 --repeats 1 "${peers[@]}"

@@ -146,6 +146,10 @@ class ConfigFile(Section):
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
     rounds: Annotated[int, Field(ge=1, le=10_000_000)] = 10
     device: str = "cpu"
+    # On CUDA, let convolutions and float32 matrix products round their inputs to TF32 (10-bit
+    # mantissa): faster on Ampere and later, but a GPU run then no longer equals the CPU's up to float
+    # reassociation. Off by default (IEEE float32, as on a CPU); no effect on a CPU.
+    tf32: bool = False
     topology: str
     data: DataConfig
     model: _Named
@@ -215,6 +219,7 @@ class ExperimentConfig:
     mixing: MixingConfig = field(default_factory=MixingConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     wire: WireConfig = field(default_factory=WireConfig)
+    tf32: bool = False  # CUDA convolutions and matrix products in TF32 (see ConfigFile.tf32)
 
     @property
     def algorithm_name(self) -> str:
@@ -429,7 +434,7 @@ def parse_config(data: dict[str, Any], base: Path | None = None, *, check_files:
         topology=raw["topology"], data=parsed.data, model=dict(parsed.model.model_dump()), algorithm=algo,
         network=parsed.network, workers=parsed.simulation.workers, eval_every=parsed.eval_every,
         checkpoint_every=ck.every if ck.enabled else 0, raw=raw, simulation=parsed.simulation, checkpoint=ck,
-        mixing=parsed.mixing, faults=parsed.faults, wire=parsed.wire,
+        mixing=parsed.mixing, faults=parsed.faults, wire=parsed.wire, tf32=parsed.tf32,
     )
 
 
@@ -455,7 +460,7 @@ def _parse_app_config(data: dict[str, Any], base: Path | None, check_files: bool
         topology=raw["topology"], data=parsed.data, model={}, algorithm={"name": "clientapp"},  # type: ignore[arg-type]
         network=parsed.network, workers=parsed.simulation.workers, eval_every=parsed.eval_every,
         checkpoint_every=ck.every if ck.enabled else 0, raw=raw, simulation=parsed.simulation, checkpoint=ck,
-        mixing=parsed.mixing, faults=parsed.faults, wire=parsed.wire,
+        mixing=parsed.mixing, faults=parsed.faults, wire=parsed.wire, tf32=parsed.tf32,
     )
 
 

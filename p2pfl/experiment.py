@@ -42,6 +42,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def set_fp32_precision(tf32: bool) -> None:
+    """How CUDA computes float32 convolutions and matrix products in this process: TF32 inputs
+    (``tf32``) or IEEE float32. PyTorch's own default differs per backend (cuDNN convolutions in TF32,
+    matrix products not), so a GPU run of a CNN drifts from the CPU's; the config's ``tf32`` decides
+    for all of them at once. Uses the per-backend ``fp32_precision`` API where PyTorch has it (mixing
+    it with the legacy ``allow_tf32`` flags is an error there)."""
+    mode = "tf32" if tf32 else "ieee"
+    backends = torch.backends
+    if hasattr(backends.cudnn, "conv") and hasattr(backends.cudnn.conv, "fp32_precision"):
+        backends.cuda.matmul.fp32_precision = mode
+        backends.cudnn.conv.fp32_precision = mode
+        backends.cudnn.rnn.fp32_precision = mode
+    else:  # older PyTorch
+        backends.cuda.matmul.allow_tf32 = tf32
+        backends.cudnn.allow_tf32 = tf32
+
+
 def peer_seed(seed: int, index: int) -> int:
     """A peer's own seed: a pure function of (experiment seed, peer index)."""
     return (seed * 1_000_003 + index * 7919 + 17) % (2**63 - 1)
@@ -54,7 +71,10 @@ class Experiment:
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig) -> Experiment:
-        return cls(cfg, resolve_device(cfg.device))
+        device = resolve_device(cfg.device)
+        if device.type == "cuda":
+            set_fp32_precision(cfg.tf32)
+        return cls(cfg, device)
 
     @cached_property
     def topology(self) -> Topology:

@@ -430,13 +430,14 @@ def _with_local_topology(saved: Any, planned: dict[str, Any]) -> Any:
 def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
     """What decides a cell's results: the config less result-neutral keys, with the topology file
     named by its content (a checkout or snapshot elsewhere holds the same file at another path) and
-    the ``simulation`` section's defaults filled in (``engine: exact`` spelled out is the default)."""
+    the ``simulation`` section's defaults and ``tf32``'s filled in (``engine: exact`` spelled out is the default)."""
     out = copy.deepcopy(cfg)
     sim = out.get("simulation")
     if sim is None or isinstance(sim, dict):  # a key spelled at its default is the key left out
         from p2pfl.config import SimulationConfig
 
         out["simulation"] = {**SimulationConfig().model_dump(), **(sim or {})}
+    out.setdefault("tf32", False)
     topo = out.get("topology")
     if isinstance(topo, str):
         key = _topology_key(topo)

@@ -34,6 +34,7 @@ def test_bad_overrides_are_refused(bad: str) -> None:
     ({"rounds": 0}, "rounds"),
     ({"seed": -1}, "seed"),
     ({"device": "tpu"}, "device"),
+    ({"tf32": "fast"}, "tf32"),
     ({"bogus": 1}, "bogus"),
     ({"data": {"dataset": "synthetic", "partition": {"kind": "iid"}, "batch_size": 0}}, "batch_size"),
     ({"data": {"dataset": "synthetic", "partitionz": {}}}, "partitionz"),
@@ -66,3 +67,8 @@ def test_load_config_file_and_demo(tmp_path: Path) -> None:
 def test_unknown_preset_is_refused() -> None:
     with pytest.raises(ConfigError, match="preset"):
         parse_config({**BASE, "algorithm": {"name": "deprl", "preset": "nope"}})
+
+
+def test_tf32_is_off_unless_asked() -> None:
+    assert parse_config(BASE).tf32 is False
+    assert parse_config({**BASE, "tf32": True}).tf32 is True

@@ -307,6 +307,9 @@ def test_a_cell_run_with_a_default_spelled_out_is_the_planned_cell(tmp_path: Pat
         saved = {**raw, "simulation": {**raw.get("simulation", {}), "engine": engine}}
         (cell / "config.yaml").write_text(yaml.safe_dump(saved))
         assert sweep.cell_state(cell, planned) == state, engine
+    for tf32, state in ((False, "finished"), (True, "stale")):  # tf32 (GPU precision): false is the default
+        (cell / "config.yaml").write_text(yaml.safe_dump({**raw, "tf32": tf32}))
+        assert sweep.cell_state(cell, planned) == state, tf32
 
 
 def test_a_second_sweep_into_the_same_folder_is_refused_before_it_runs(tmp_path: Path) -> None:

@@ -145,6 +145,17 @@ def folder(file: str) -> str:
     return f"t1-{file}"
 
 
+def folders(file: str) -> tuple[str, str]:
+    """Where a Table 1 file's cells may be, first found wins: the CPU sweep's (exact engine, table1/run.sh),
+    then the same cells run on a GPU with the batched engine (``run_gpu.sh``)."""
+    return (folder(file), f"{folder(file)}-gpu")
+
+
+def first_evidence(names: Sequence[str], cell: str) -> Evidence | None:
+    """A cell's committed evidence from the first of the sweep folders ``names`` that has it."""
+    return next((e for e in (read_evidence(EVIDENCE / f / cell) for f in names) if e is not None), None)
+
+
 def split(stem: str) -> tuple[str, str, str]:
     """A Table 1 group's three files: DePRL (3 seeds), then seed 0 of every other method, then their seeds 1-2."""
     return (stem, f"{stem}-seed0", f"{stem}-seeds12")
@@ -184,7 +195,7 @@ class ClaimDef:
     @property
     def folders(self) -> tuple[str, ...]:
         """Where its cells' evidence may be, first found wins: the CPU sweep's (exact engine), then the
-        same cells run on a GPU with the batched engine (``claims/run_gpu.sh``)."""
+        same cells run on a GPU with the batched engine (``run_gpu.sh``)."""
         return (self.folder, f"{self.folder}-gpu")
 
     @property
@@ -231,7 +242,7 @@ _COPIED = ("config.yaml", "summary.json")
 def _finished_cells(root: Path) -> Iterator[tuple[str, Path]]:
     """(sweep folder, cell folder) of every finished cell of the planned sweeps under ``root``
     (``runs/reproduce`` or the evidence), in sweep order, then by name."""
-    for name in [folder(f) for sweep in SWEEPS for f in sweep.files] + [f for c in CLAIMS for f in c.folders]:
+    for name in [d for sweep in SWEEPS for f in sweep.files for d in folders(f)] + [f for c in CLAIMS for f in c.folders]:
         if (root / name).is_dir():
             for cell in sorted(p for p in (root / name).iterdir() if (p / "summary.json").is_file()):
                 yield name, cell
@@ -344,7 +355,10 @@ def read_evidence(folder: Path) -> Evidence | None:
     if (folder / "avg_model.json").is_file():
         avg = json.loads((folder / "avg_model.json").read_text()).get("acc")
     sim = cfg.get("simulation") or {}
-    engine = f"{sim.get('engine', 'exact')} ({cfg.get('device', 'cpu')})"
+    device = str(cfg.get("device", "cpu"))
+    # on CUDA, a config without ``tf32`` ran before the key existed: with PyTorch's default, TF32 convolutions
+    tf32 = device.startswith("cuda") and cfg.get("tf32", True)
+    engine = f"{sim.get('engine', 'exact')} ({device}{', TF32' if tf32 else ''})"
     return Evidence(seed=int(cfg["seed"]), path=folder.relative_to(ROOT).as_posix(), curve=curve, engine=engine,
                     final=curve[-1][1] if curve else float("nan"), rounds=int(cfg["rounds"]), avg_model_acc=avg,
                     wall_seconds_per_round=summary.get("wall_seconds_per_round"), runtime=summary.get("runtime"),
@@ -383,7 +397,7 @@ def flattened(curves: list[list[tuple[int, float]]], rounds: int) -> tuple[bool 
 
 def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
     """One results.json entry per method of the group, pooling the seeds of its sweep files."""
-    planned: dict[str, list[tuple[str, int]]] = {}  # case -> (output folder, seed), in file order
+    planned: dict[str, list[tuple[str, int]]] = {}  # case -> (sweep file, seed), in file order
     rounds = None
     for file in sweep.files:
         spec = load_sweep(TABLE1_DIR / f"{file}.yaml")
@@ -391,12 +405,12 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
         base = yaml.safe_load(spec.base.read_text())
         rounds = next((v for k, v in spec.overrides if k == "rounds"), base["rounds"])
         for case in spec.cases:
-            planned.setdefault(case.name, []).extend((folder(file), s) for s in seeds)
+            planned.setdefault(case.name, []).extend((file, s) for s in seeds)
     out = []
     for case_name, where in planned.items():
         mdef = next(m for m in METHODS if m.case == case_name)
         seeds = [s for _, s in where]
-        runs = [read_evidence(EVIDENCE / f / cell_name(case_name, {"seed": s})) for f, s in where]
+        runs = [first_evidence(folders(f), cell_name(case_name, {"seed": s})) for f, s in where]
         done = [e for e in runs if e is not None]
         mean, std = _mean_std([100 * e.final for e in done])
         avg_mean, avg_std = _mean_std([100 * e.avg_model_acc for e in done if e.avg_model_acc is not None])
@@ -414,6 +428,7 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
             "flattened": flat, "gain_last_20pct_rounds_pts": gain,
             "avg_model": {"metric": AVERAGED, "mean": _r(avg_mean), "std": _r(avg_std)},
             "wall_seconds_per_round": [_r(e.wall_seconds_per_round, 1) for e in done],
+            "engines": sorted({e.engine for e in done}),
             **({"runtime": [e.runtime for e in done],
                 "cpu_seconds_per_round": [_r(e.cpu_seconds_per_round, 1) for e in done]}
                if case_name in PS_CASES else {}),
@@ -462,7 +477,7 @@ def verdict(a: dict[str, Any], b: dict[str, Any]) -> tuple[float | None, str]:
 
 def claim_evidence(claim: ClaimDef, cell: str) -> Evidence | None:
     """A claim cell's committed evidence from the first of ``claim.folders`` that has it."""
-    return next((e for e in (read_evidence(EVIDENCE / f / cell) for f in claim.folders) if e is not None), None)
+    return first_evidence(claim.folders, cell)
 
 
 def claim_results(claim: ClaimDef) -> dict[str, Any]:
@@ -739,9 +754,10 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         rows.append([c["graph"], f"{c['pi']:g}", c["method"], fmt(c), f"{c['paper']:.2f}±{c['paper_spread']:g}",
                      c["vs_paper"], {True: "yes", False: "no", None: "—"}[c["flattened"]]
                      + ("" if c["gain_last_20pct_rounds_pts"] is None else f" ({c['gain_last_20pct_rounds_pts']:+.2f})"),
-                     "—" if x["mean"] is None else f"{x['mean']:.2f}", c["status"]])
+                     "—" if x["mean"] is None else f"{x['mean']:.2f}", c["status"],
+                     ", ".join(c.get("engines", [])) or "—"])
     doc += md_table(["graph", "π", "method", "ours (personalized, %)", "paper", "vs paper", "flattened (gain, last 20 %)",
-                     "x̄ (%)", "status"], rows) + [""]
+                     "x̄ (%)", "status", "engine (device)"], rows) + [""]
 
     doc += ["### Ordering DePRL > DisPFL > D-PSGD (per cell, from mean ± std)", ""]
     ords = [o for o in results["orderings"] if o["table"] == "deprl-t1"]
@@ -814,9 +830,9 @@ def claims_section(claims: list[dict[str, Any]]) -> list[str]:
            "never the level. A verdict is computed from mean ± std over seeds as in Table 1. 'flattened' is "
            "checked on the personalized curve (the one recorded every 5 rounds). A claim's cells run on this CPU "
            "with the exact engine, or, where a GPU was lent, the same cells on it with the batched engine "
-           "(`claims/run_gpu.sh`; on a CPU it equals the exact engine up to float reassociation, `tests/test_batched.py`, "
-           "while on a GPU cuDNN also runs the convolutions in TF32, PyTorch's default, a coarser rounding); "
-           "the last column says which.", ""]
+           "(`run_gpu.sh`; on a CPU it equals the exact engine up to float reassociation, `tests/test_batched.py`, "
+           "and on a GPU too with `tf32: false`, IEEE float32 convolutions; runs marked TF32 ran before that "
+           "key existed, with PyTorch's default TF32 convolutions, a coarser rounding); the last column says which.", ""]
     rows = [[c["table"], c["claim"], c["metric"], c["paper_source"], c["status"]] for c in claims]
     doc += md_table(["table", "claim", "metric", "paper", "status"], rows) + [""]
     for c in claims:

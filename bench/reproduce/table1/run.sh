@@ -5,7 +5,8 @@
 # claims whose cells ran on a GPU with the batched engine (DFedPGP, DFedMDC, DFedADMM; about 3.5 hours
 # here) as the exact engine's cross-check; each (graph, pi) as three sweep files: DePRL
 # (epochs) seeds 0-2, then seed 0 of D-PSGD, the literal DePRL-steps variant and DisPFL, then their seeds 1-2.
-# Resumable: rerun it; finished cells are skipped and an interrupted cell continues from the last
+# A sweep whose every cell finished on a GPU (runs/reproduce/<name>-gpu, ../run_gpu.sh, batched engine)
+# is skipped in the default order; named on the command line, it runs here too. Resumable: rerun it; finished cells are skipped and an interrupted cell continues from the last
 # round every peer checkpointed (p2pfl/resume.py). Cells whose evidence is committed
 # (docs/results/runs/) count as finished on a fresh checkout too (results_md.py --restore puts them
 # back under runs/reproduce first).
@@ -34,20 +35,37 @@ fi
 echo "$SHA" > "$OUT/code.current"
 # A fresh checkout has no runs/: put the committed finished cells back, so they are not run again.
 "$PY" "$ROOT/bench/reproduce/results_md.py" --restore --runs "$OUT" >> "$OUT/table1-progress.log" 2>&1
+DEFAULT=0 CROSS=
 if [ $# -eq 0 ]; then
+  DEFAULT=1
   for g in ring random fc; do
     for pi in 0.1 0.3 0.5; do set -- "$@" "$g-pi$pi" "$g-pi$pi-seed0" "$g-pi$pi-seeds12"; done
     [ "$g" = ring ] && set -- "$@" claims/dfedsam ps-ring-pi0.1
   done
-  # claims whose cells ran on a GPU (batched engine, claims/run_gpu.sh): the exact engine's cross-check, last
-  set -- "$@" claims/dfedpgp claims/dfedmdc claims/dfedadmm
+  # claims whose cells ran on a GPU (batched engine, ../run_gpu.sh): the exact engine's cross-check, last
+  CROSS="claims/dfedpgp claims/dfedmdc claims/dfedadmm"  # run here even though their GPU cells finished
+  set -- "$@" $CROSS
 fi
 cd "$CODE"
+done_on_gpu() {  # done_on_gpu SWEEP_FILE FOLDER: every cell of the sweep finished in FOLDER
+  [ -d "$2" ] && "$PY" - "$1" "$2" <<'EOF'
+import sys
+from pathlib import Path
+from p2pfl.sweep import load_sweep, plan_cells
+cells = plan_cells(load_sweep(sys.argv[1]))
+sys.exit(0 if all((Path(sys.argv[2]) / c.name / "summary.json").is_file() for c in cells) else 1)
+EOF
+}
 for sweep in "$@"; do
   case "$sweep" in
     claims/*) name="claims-${sweep#claims/}"; file="bench/reproduce/$sweep.yaml" ;;
     *) name="t1-$sweep"; file="bench/reproduce/table1/$sweep.yaml" ;;
   esac
+  if [ "$DEFAULT" = 1 ] && [[ " $CROSS " != *" $sweep "* ]] && done_on_gpu "$file" "$OUT/$name-gpu"; then
+    echo "== $(date -u +%FT%TZ) $name: every cell finished on a GPU ($name-gpu, run_gpu.sh); skipped" \
+      >> "$OUT/table1-progress.log"
+    continue
+  fi
   echo "== $(date -u +%FT%TZ) $name (code $SHA)" >> "$OUT/table1-progress.log"
   nice -n 19 "$PY" -m p2pfl.cli sweep "$file" --out "$OUT/$name" --quiet \
     >> "$OUT/$name.log" 2>&1
