@@ -1,5 +1,5 @@
 # Sourced from the repository root by the scripts for a lent GPU machine (bench/gpu_checks.sh,
-# bench/reproduce/claims/run_gpu.sh), with $PY set: what the project needs beyond that machine's
+# bench/reproduce/run_gpu.sh), with $PY set: what the project needs beyond that machine's
 # image. .gpu/whl/*.whl (ignored by git; wheels for its Python) go into /tmp/site, ahead of the
 # repository on PYTHONPATH, unless NOWHEELS is set (a dry run on this box); .gpu/fashion-mnist/
 # holds the Debian package's Fashion-MNIST files.

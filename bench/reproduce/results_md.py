@@ -700,6 +700,7 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         "bench/reproduce/table1/run.sh                    # Ring (π 0.1, 0.3, 0.5), then Random, then FC; resumable",
         "bench/reproduce/table1/run.sh smoke-ring-pi0.1 smoke-ring-pi0.1-seeds12   # the 10-round smoke variant",
         "bench/reproduce/table1/run.sh ps-ring-pi0.1 ps-ring-pi0.3 ps-ring-pi0.5     # FedAvg, FedRep on Flower (Table 7)",
+        "bench/reproduce/run_gpu.sh claims/dfedsam random-pi0.5   # on a lent GPU: the same cells, batched engine",
         ".venv/bin/python bench/reproduce/results_md.py   # collect finished runs, write results.json/.md + plots",
         "```", "",
         "Each Table 1 column group (graph, π) is three sweep files under `bench/reproduce/table1/`, run in this order: "
