@@ -58,6 +58,21 @@ done
 for d in runs/reproduce/*-gpu; do
   echo "   $d: $(ls "$d"/*/summary.json 2>/dev/null | wc -l) cells finished"
 done
+# how far every cell got (finished or cut off at the deadline), so the next lease can be planned
+"$PY" - > "$OUT/progress.txt" <<'PYEOF'
+import json
+from pathlib import Path
+for cell in sorted(Path("runs/reproduce").glob("*-gpu/*/config.yaml")):
+    d = cell.parent
+    rounds = [json.loads(l)["round"] + 1 for l in (d / "metrics.jsonl").read_text().splitlines()] \
+        if (d / "metrics.jsonl").is_file() else []
+    summ = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else {}
+    last = d / "metrics.jsonl" if (d / "metrics.jsonl").is_file() else d
+    span = last.stat().st_mtime - cell.stat().st_mtime
+    print(f"{d.parent.name}/{d.name}: {'finished' if summ else 'cut off'} at round {max(rounds, default=0)}, "
+          f"{summ.get('wall_seconds', span):.0f} s")
+PYEOF
+cat "$OUT/progress.txt"
 # every finished cell under runs/reproduce: on a lent machine, this run's
 "$PY" - <<'PYEOF'
 import sys
