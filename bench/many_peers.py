@@ -26,6 +26,14 @@ included; ``peak_rss_mb`` the peak of the process tree's summed RSS (``peak_pss_
 PSS, which counts pages shared after fork once), sampled every 0.2 s by this process. Ratios are
 taken per repeat (side by side) and reported as median and min over repeats.
 
+Figures on a GPU (2026-11-26, eleventh session; one NVIDIA H200, same image; outputs in
+``bench/gpu_results/2026-11-26-h200/run4``, ``run5``). GPU runs now compute in IEEE float32 unless the
+config says ``tf32: true``. AlexNet, ``--engines batched --set model.name=alexnet --rounds 4``:
+peak host RSS **2.1 GB** (13.7 GB before checkpoints left the device 256 MB at a time); 0.557 and
+0.546 s per round in IEEE float32, 0.370 with ``tf32=true`` (1.48x; PyTorch's own default, TF32
+convolutions only, gave 0.412 in the tenth session). cnn_small (``bench/batched_phases.py``, 11 rounds,
+alternating): IEEE 70.6, 82.8, 66.8 ms per round, TF32 84.2, 67.0, 84.0: no difference above the noise.
+
 Figures on a GPU (2026-11-26, tenth session; one NVIDIA H200, 16 cores, torch 2.11.0+cu130, the
 image's own; ``bench/gpu_checks.sh``, whose outputs the closing note of issue 11 quotes). 128 peers,
 ``--engines exact,batched --set device=cuda --rounds 11 --repeats 2``: exact 0.597/0.590 s per round
