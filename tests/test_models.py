@@ -242,3 +242,25 @@ def test_channels_last_leaves_batched_tensors_and_3d_inputs_alone() -> None:
     # under vmap the tensor a model sees is a per-peer view: returned as it is, values unchanged
     stacked = torch.randn(3, 2, 4, 5, 6)
     torch.testing.assert_close(vmap(lambda t: channels_last(t) * 1.0)(stacked), stacked, rtol=0, atol=0)
+
+
+def test_a_conv_net_trains_under_vmap_and_grad_on_a_cpu() -> None:
+    """The batched engine's GPU path (``vmap(grad(...))``) run on a CPU: under ``grad`` the tensor a
+    model sees is a grad-tracking wrapper, not a batched tensor, and it must be left alone too
+    (functorch refuses a channels-last clone): the gradients are each peer's own."""
+    import torch.nn.functional as F
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(4)
+    model = build_model("cnn_small", (1, 28, 28), 10)
+    params = {n: torch.stack([p.detach(), p.detach() * 0.5]) for n, p in model.named_parameters()}
+    x, y = torch.randn(2, 4, 1, 28, 28), torch.randint(0, 10, (2, 4))
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(functional_call(model, p, (x,)), y)
+
+    stacked = vmap(grad(loss))(params, x, y)
+    for i in range(2):
+        own = grad(loss)({n: v[i] for n, v in params.items()}, x[i], y[i])
+        for n in own:
+            torch.testing.assert_close(stacked[n][i], own[n], rtol=1e-4, atol=1e-6)

@@ -96,9 +96,10 @@ def channels_last(x: Tensor) -> Tensor:
     layouts and gained nothing. Measured on one core, cnn_small at batch 16: the NCHW pools were a
     third of a training step's CPU time (figures in ``bench/model_layout.py``). Values agree to
     float reassociation (the channels-last convolution sums in another order). On other devices,
-    and under ``vmap`` (the batched engine on a GPU), ``x`` is returned as it is. Parameters are
+    and under any torch.func transform (``vmap``, ``grad``: the batched engine on a GPU), ``x`` is returned
+    as it is (functorch refuses a channels-last clone). Parameters are
     untouched: they stay contiguous views of the peer's flat buffer.
     """
-    if x.device.type == "cpu" and x.dim() == 4 and not torch._C._functorch.is_batchedtensor(x):
+    if x.device.type == "cpu" and x.dim() == 4 and not torch._C._functorch.is_functorch_wrapped_tensor(x):
         return x.contiguous(memory_format=torch.channels_last)
     return x
