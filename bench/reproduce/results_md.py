@@ -359,6 +359,8 @@ def read_evidence(folder: Path) -> Evidence | None:
     # on CUDA, a config without ``tf32`` ran before the key existed: with PyTorch's default, TF32 convolutions
     tf32 = device.startswith("cuda") and cfg.get("tf32", True)
     engine = f"{sim.get('engine', 'exact')} ({device}{', TF32' if tf32 else ''})"
+    if str(summary.get("mode", "")).startswith("flower-"):  # a parameter-server baseline on Flower's runtime
+        engine = f"Flower, {summary.get('runtime') or 'in-process'} ({device})"
     return Evidence(seed=int(cfg["seed"]), path=folder.relative_to(ROOT).as_posix(), curve=curve, engine=engine,
                     final=curve[-1][1] if curve else float("nan"), rounds=int(cfg["rounds"]), avg_model_acc=avg,
                     wall_seconds_per_round=summary.get("wall_seconds_per_round"), runtime=summary.get("runtime"),
