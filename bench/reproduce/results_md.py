@@ -145,10 +145,15 @@ def folder(file: str) -> str:
     return f"t1-{file}"
 
 
+def with_gpu(name: str) -> tuple[str, str]:
+    """Where a sweep's cells may be, first found wins: its CPU folder (exact engine, table1/run.sh),
+    then the same cells run on a GPU with the batched engine (``run_gpu.sh``: ``<name>-gpu``)."""
+    return (name, f"{name}-gpu")
+
+
 def folders(file: str) -> tuple[str, str]:
-    """Where a Table 1 file's cells may be, first found wins: the CPU sweep's (exact engine, table1/run.sh),
-    then the same cells run on a GPU with the batched engine (``run_gpu.sh``)."""
-    return (folder(file), f"{folder(file)}-gpu")
+    """A Table 1 file's folders (``with_gpu``)."""
+    return with_gpu(folder(file))
 
 
 def first_evidence(names: Sequence[str], cell: str) -> Evidence | None:
@@ -194,9 +199,8 @@ class ClaimDef:
 
     @property
     def folders(self) -> tuple[str, ...]:
-        """Where its cells' evidence may be, first found wins: the CPU sweep's (exact engine), then the
-        same cells run on a GPU with the batched engine (``run_gpu.sh``)."""
-        return (self.folder, f"{self.folder}-gpu")
+        """Where its cells' evidence may be (``with_gpu``)."""
+        return with_gpu(self.folder)
 
     @property
     def claim(self) -> str:
@@ -356,11 +360,11 @@ def read_evidence(folder: Path) -> Evidence | None:
         avg = json.loads((folder / "avg_model.json").read_text()).get("acc")
     sim = cfg.get("simulation") or {}
     device = str(cfg.get("device", "cpu"))
-    # on CUDA, a config without ``tf32`` ran before the key existed: with PyTorch's default, TF32 convolutions
-    tf32 = device.startswith("cuda") and cfg.get("tf32", True)
-    engine = f"{sim.get('engine', 'exact')} ({device}{', TF32' if tf32 else ''})"
     if str(summary.get("mode", "")).startswith("flower-"):  # a parameter-server baseline on Flower's runtime
         engine = f"Flower, {summary.get('runtime') or 'in-process'} ({device})"
+    else:  # on CUDA, a config without ``tf32`` ran before the key existed: PyTorch's default, TF32 convolutions
+        tf32 = device.startswith("cuda") and cfg.get("tf32", True)
+        engine = f"{sim.get('engine', 'exact')} ({device}{', TF32' if tf32 else ''})"
     return Evidence(seed=int(cfg["seed"]), path=folder.relative_to(ROOT).as_posix(), curve=curve, engine=engine,
                     final=curve[-1][1] if curve else float("nan"), rounds=int(cfg["rounds"]), avg_model_acc=avg,
                     wall_seconds_per_round=summary.get("wall_seconds_per_round"), runtime=summary.get("runtime"),
@@ -477,11 +481,6 @@ def verdict(a: dict[str, Any], b: dict[str, Any]) -> tuple[float | None, str]:
     return diff, "fails" if sep else "fails (1 seed: no spread)"
 
 
-def claim_evidence(claim: ClaimDef, cell: str) -> Evidence | None:
-    """A claim cell's committed evidence from the first of ``claim.folders`` that has it."""
-    return first_evidence(claim.folders, cell)
-
-
 def claim_results(claim: ClaimDef) -> dict[str, Any]:
     """One results.json entry per claim: per setting, each ranked method's mean ± std over seeds in the
     paper's metric (x̄ or personalized), and the verdict of each consecutive pair of the ranking."""
@@ -502,7 +501,7 @@ def claim_results(claim: ClaimDef) -> dict[str, Any]:
         entries += [(case, label, paper_of[stands], stands) for case, label, stands in claim.variants]
         for case, label, paper_acc, stands_for in entries:
             where = planned.get((setting, case), [])
-            done = [e for e in (claim_evidence(claim, name) for _, name in where) if e is not None]
+            done = [e for e in (first_evidence(claim.folders, name) for _, name in where) if e is not None]
             personal = _mean_std([100 * e.final for e in done])
             averaged = _mean_std([100 * e.avg_model_acc for e in done if e.avg_model_acc is not None])
             mean, std = averaged if claim.metric == AVERAGED else personal

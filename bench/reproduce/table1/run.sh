@@ -6,7 +6,8 @@
 # here) as the exact engine's cross-check; each (graph, pi) as three sweep files: DePRL
 # (epochs) seeds 0-2, then seed 0 of D-PSGD, the literal DePRL-steps variant and DisPFL, then their seeds 1-2.
 # A sweep whose every cell finished on a GPU (runs/reproduce/<name>-gpu, ../run_gpu.sh, batched engine)
-# is skipped in the default order; named on the command line, it runs here too. Resumable: rerun it; finished cells are skipped and an interrupted cell continues from the last
+# is skipped in the default order; named on the command line, it runs here too.
+# Resumable: rerun it; finished cells are skipped and an interrupted cell continues from the last
 # round every peer checkpointed (p2pfl/resume.py). Cells whose evidence is committed
 # (docs/results/runs/) count as finished on a fresh checkout too (results_md.py --restore puts them
 # back under runs/reproduce first).
