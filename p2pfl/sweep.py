@@ -12,6 +12,11 @@ A sweep file::
     grid:                               # dotted config key -> list of values
       data.partition.pi: [0.1, 0.3]
       seed: [1, 12, 123]
+    order: cases                        # optional; cases (default): every grid point of a case, then
+                                        # the next case; grid: every case at a grid point, then the next
+
+``order: grid`` puts one seed of every method before the second seed of any, so a sweep cut off
+half-way has something of each. The order changes no cell's name or config.
 
 Every cell (base + ``set`` + its case + its grid values) is validated before anything runs, so a
 typo in the last cell does not surface hours into the sweep. Each cell runs as its own
@@ -60,6 +65,8 @@ MAX_CELL_NAME = 100
 #: Config keys whose value cannot change a run's results (bitwise independent of the worker
 #: count), so a finished cell still counts as finished when ``--jobs`` changes them.
 RESULT_NEUTRAL_KEYS = ("simulation.workers",)
+#: The orders a sweep's cells can run in (``order:``): case-major (the default) or grid-major.
+SWEEP_ORDERS = ("cases", "grid")
 #: How long an interrupted cell gets to stop cleanly (its own worker processes) before it is killed.
 STOP_GRACE_S = 15.0
 
@@ -87,6 +94,7 @@ class SweepSpec:
     overrides: tuple[tuple[str, Any], ...]
     grid: tuple[tuple[str, tuple[Any, ...]], ...]
     cases: tuple[Case, ...]
+    order: str = "cases"  # cases: case-major (every grid point of a case, then the next); grid: grid-major
 
     @property
     def folder(self) -> Path:
@@ -168,9 +176,12 @@ def parse_sweep(data: Any, path: Path | None = None) -> SweepSpec:
     where = str(path) if path is not None else "sweep"
     if not isinstance(data, dict):
         raise SweepError(f"{where}: a sweep file must be a YAML mapping")
-    unknown = set(data) - {"name", "base", "set", "grid", "cases"}
+    unknown = set(data) - {"name", "base", "set", "grid", "cases", "order"}
     if unknown:
-        raise SweepError(f"{where}: unknown keys {sorted(unknown)} (allowed: base, cases, grid, name, set)")
+        raise SweepError(f"{where}: unknown keys {sorted(unknown)} (allowed: base, cases, grid, name, order, set)")
+    order = data.get("order", "cases")
+    if order not in SWEEP_ORDERS:
+        raise SweepError(f"{where}: 'order' must be one of {', '.join(SWEEP_ORDERS)}, got {_show(order)[:40]!r}")
     base = data.get("base")
     if not isinstance(base, str) or not base:
         raise SweepError(f"{where}: 'base' must be the path of an experiment config")
@@ -220,7 +231,7 @@ def parse_sweep(data: Any, path: Path | None = None) -> SweepSpec:
                              "set each key in one place")
     return SweepSpec(name=str(name), path=path, base=base_path,
                      overrides=_parse_overrides(data.get("set"), f"{where}: 'set'"), grid=tuple(grid),
-                     cases=tuple(cases))
+                     cases=tuple(cases), order=order)
 
 
 def load_sweep(path: str | Path) -> SweepSpec:
@@ -319,39 +330,43 @@ def plan_cells(spec: SweepSpec, *, jobs: int = 1, cores: int | None = None) -> l
         combos = [{**c, key: v} for c in combos for v in values]
     cases: list[Case | None] = list(spec.cases) or [None]
 
+    if spec.order == "grid":
+        pairs_in_order = [(case, values) for values in combos for case in cases]
+    else:
+        pairs_in_order = [(case, values) for case in cases for values in combos]
+
     cells: list[Cell] = []
     errors: list[str] = []
-    for case in cases:
-        for values in combos:
-            pairs = list(spec.overrides) + list(case.overrides if case else ()) + list(values.items())
-            name = cell_name(case.name if case else None, values)
-            try:
-                data = copy.deepcopy(base)
-                for key, val in pairs:
-                    set_dotted(data, key, val)
-                swept = {k for k, _ in pairs}
-                if "topology" in swept and isinstance(data.get("topology"), str):
-                    # a topology named by the sweep is relative to the cwd, else to the sweep file
-                    data["topology"] = resolve_path(data["topology"], spec.folder)
-                if "simulation.workers" not in swept and "simulation" not in swept:
-                    sim = data.get("simulation") if isinstance(data.get("simulation"), dict) else {}
-                    workers = sim.get("workers", 2)
-                    if isinstance(workers, int) and not isinstance(workers, bool):
-                        data["simulation"] = {**sim, "workers": max(1, min(workers, per_job))}
-                cfg = parse_config(data, base=spec.base.parent)  # the whole experiment, topology file included
-                if case is not None and case.flower is not None:
-                    from p2pfl.flower.baselines import baseline_of
+    for case, values in pairs_in_order:
+        pairs = list(spec.overrides) + list(case.overrides if case else ()) + list(values.items())
+        name = cell_name(case.name if case else None, values)
+        try:
+            data = copy.deepcopy(base)
+            for key, val in pairs:
+                set_dotted(data, key, val)
+            swept = {k for k, _ in pairs}
+            if "topology" in swept and isinstance(data.get("topology"), str):
+                # a topology named by the sweep is relative to the cwd, else to the sweep file
+                data["topology"] = resolve_path(data["topology"], spec.folder)
+            if "simulation.workers" not in swept and "simulation" not in swept:
+                sim = data.get("simulation") if isinstance(data.get("simulation"), dict) else {}
+                workers = sim.get("workers", 2)
+                if isinstance(workers, int) and not isinstance(workers, bool):
+                    data["simulation"] = {**sim, "workers": max(1, min(workers, per_job))}
+            cfg = parse_config(data, base=spec.base.parent)  # the whole experiment, topology file included
+            if case is not None and case.flower is not None:
+                from p2pfl.flower.baselines import baseline_of
 
-                    baseline_of(case.flower, cfg.algorithm_name)  # an unknown baseline or a wrong local rule
-            except Exception as exc:  # noqa: BLE001 - e.g. a preset's module fails to import: refuse, say why
-                errors.append(f"cell {name}: {exc}")
-                continue
-            raw = copy.deepcopy(cfg.raw)
-            if Path(raw["topology"]).exists():  # absolute: the cell's config works from any directory
-                raw["topology"] = str(Path(raw["topology"]).resolve())
-            cells.append(Cell(name=name, case=case.name if case else None, values=values,
-                              overrides=[f"{k}={_show(v)}" for k, v in pairs], config=_normalize(raw),
-                              flower=case.flower if case else None))
+                baseline_of(case.flower, cfg.algorithm_name)  # an unknown baseline or a wrong local rule
+        except Exception as exc:  # noqa: BLE001 - e.g. a preset's module fails to import: refuse, say why
+            errors.append(f"cell {name}: {exc}")
+            continue
+        raw = copy.deepcopy(cfg.raw)
+        if Path(raw["topology"]).exists():  # absolute: the cell's config works from any directory
+            raw["topology"] = str(Path(raw["topology"]).resolve())
+        cells.append(Cell(name=name, case=case.name if case else None, values=values,
+                          overrides=[f"{k}={_show(v)}" for k, v in pairs], config=_normalize(raw),
+                          flower=case.flower if case else None))
     if errors:
         more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
         raise SweepError(f"sweep {spec.name!r}: {len(errors)} of {len(cases) * len(combos)} cells are invalid, "

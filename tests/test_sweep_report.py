@@ -176,6 +176,20 @@ def test_sweep_file_structure_errors(tmp_path: Path) -> None:
         parse_sweep({"base": "config.yaml", "grd": {}}, tmp_path / "s.yaml")
     with pytest.raises(SweepError, match="case names must be unique"):
         parse_sweep({"base": "config.yaml", "cases": [{"name": "a"}, {"name": "a"}]}, tmp_path / "s.yaml")
+    with pytest.raises(SweepError, match="'order' must be one of cases, grid, got 'seeds'"):
+        parse_sweep({"base": "config.yaml", "order": "seeds"}, tmp_path / "s.yaml")
+
+
+def test_grid_order_runs_one_seed_of_every_case_first(tmp_path: Path) -> None:
+    """``order: grid`` changes when a cell runs (a FIFO in plan order), never its name or config."""
+    tiny_config(tmp_path, rounds=2)
+    body = {"cases": [{"name": "local", "set": ["algorithm.name=local"]},
+                      {"name": "dfedavg", "set": ["algorithm.name=dfedavg"]}], "grid": {"seed": [1, 2]}}
+    by_case = plan_cells(load_sweep(_write_sweep(tmp_path, **body)), jobs=1, cores=2)
+    by_grid = plan_cells(load_sweep(_write_sweep(tmp_path, order="grid", **body)), jobs=1, cores=2)
+    assert [c.name for c in by_case] == ["local__seed=1", "local__seed=2", "dfedavg__seed=1", "dfedavg__seed=2"]
+    assert [c.name for c in by_grid] == ["local__seed=1", "dfedavg__seed=1", "local__seed=2", "dfedavg__seed=2"]
+    assert {c.name: c.config for c in by_grid} == {c.name: c.config for c in by_case}
 
 
 def _expected(out: Path, algo: str) -> tuple[list[float], list[list[float]]]:
