@@ -667,11 +667,14 @@ def table7_section(cells: list[dict[str, Any]]) -> list[str]:
     doc += md_table(["π"] + [label for _, label in PS_METHODS] + ["D-PSGD", "DisPFL", "DePRL"], rows) + [""]
     runs = [c for c in cells if c["table"] in ("deprl-t7", "deprl-t7-smoke") and c["runs"]]
     if runs:
-        doc += ["Cost of the parameter-server runs (CPU seconds per round: the whole process tree, Ray workers "
-                "included, start-up included, `cpu.json` from `bench/reproduce/cpu_watch.py`; nice 19 on the "
-                "shared 2-core machine): " + "; ".join(
-                    f"{c['method']} ({c['table']}, π {c['pi']:g}): runtime {', '.join(map(str, c['runtime']))}, "
-                    f"{', '.join('—' if v is None else f'{v:g}' for v in c['cpu_seconds_per_round'])} CPU s/round"
+        doc += ["Cost of the parameter-server runs, per seed (CPU seconds per round where measured: the whole "
+                "process tree, Ray workers included, start-up included, `cpu.json` from "
+                "`bench/reproduce/cpu_watch.py`; else wall seconds per round; nice 19 on the shared 2-core "
+                "machine): " + "; ".join(
+                    f"{c['method']} ({c['table']}, π {c['pi']:g}, {', '.join(sorted(set(map(str, c['runtime']))))}): "
+                    + ", ".join(f"{cpu:g} CPU s" if cpu is not None else f"{wall:g} s wall"
+                                for cpu, wall in zip(c["cpu_seconds_per_round"], c["wall_seconds_per_round"],
+                                                     strict=True)) + " per round"
                     for c in runs) + ".", ""]
     return doc
 
