@@ -12,6 +12,8 @@
 #   cnn_small.txt    bench/many_peers.py, 128 cnn_small peers, exact vs batched on the GPU
 #   phases.txt       bench/batched_phases.py: the batched round's time by phase
 #   base_*.txt       with BASE=DIR: the batched engine's figures for the p2pfl in DIR (before/after)
+#   host.txt         batched_host.py: a vmapped step at 3 peers x batch 1 against 128 x 16 (how much of a
+#                    step is fixed per-step cost: launches, Python; whether CUDA graphs would pay)
 #   tf32.txt         batched_phases.py again with ``tf32: true`` (the default is IEEE float32): its cost
 #   alexnet*.txt     the same two benchmarks with 128 AlexNet peers (alexnet_batched.txt: batched only,
 #                    with its peak host memory)
@@ -30,7 +32,7 @@ source bench/gpu_env.sh  # wheels and data (.gpu/)
 export PYTHONUNBUFFERED=1
 peers=(); [ -n "$PEERS" ] && peers=(--peers "$PEERS")
 
-STEPS=${STEPS:-env pytest phases tf32 cnn_small alexnet_phases alexnet}
+STEPS=${STEPS:-env pytest phases host tf32 cnn_small alexnet_phases alexnet}
 step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output into $OUT/NAME.txt
   local name=$1 limit=$2; shift 2
   case " $STEPS " in *" $name "*|*" ${name#base_} "*) ;; *) return 0 ;; esac
@@ -49,6 +51,7 @@ if [ "$DEV" = cuda ]; then
     tests/test_precision.py
 fi
 step phases 50 "$PY" bench/batched_phases.py --set device="$DEV" --rounds "$ROUNDS" "${peers[@]}"
+step host 60 "$PY" bench/batched_host.py --set device="$DEV" "${peers[@]}"
 step tf32 50 "$PY" bench/batched_phases.py --set device="$DEV" --set tf32=true --rounds "$ROUNDS" "${peers[@]}"
 step cnn_small 100 "$PY" bench/many_peers.py --engines exact,batched --set device="$DEV" --rounds "$ROUNDS" --repeats 2 "${peers[@]}"
 if [ -n "$BASE" ]; then  # the same benchmarks over an older p2pfl (its p2pfl/ beside these scripts in $BASE/bench)

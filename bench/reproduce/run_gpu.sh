@@ -28,6 +28,14 @@ mkdir -p "$OUT"
 source bench/gpu_env.sh  # wheels and data (.gpu/)
 [ $# -eq 0 ] && { echo "usage: run_gpu.sh SWEEP... (claims/<claim> or a table1 file stem)"; exit 2; }
 left=$((DEADLINE - SECONDS - 45))  # 45 s kept for collecting the evidence
+# What limits the sweeps, for planning the next lease: every 5 s the GPU's utilization (nvidia-smi) and the
+# host's 1-minute load average beside its core count; a busy host with an idle GPU says host-bound steps.
+( while :; do
+    printf '%s,%s,%s,%s\n' "$(date -u +%T)" "$(cut -d' ' -f1 /proc/loadavg)" "$(nproc)" \
+      "$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits 2>/dev/null | head -1)"
+    sleep 5
+  done ) > "$OUT/utilization.csv" &
+sampler=$!
 pids=()
 for sweep in "$@"; do
   case "$sweep" in
@@ -55,6 +63,10 @@ for i in "${!pids[@]}"; do
   wait "${pids[$i]}"; rc=$?
   echo "   sweep $((i + 1)) rc $rc at ${SECONDS}s"
 done
+kill "$sampler" 2>/dev/null
+awk -F, '{n++; load+=$2; cores=$3; if ($4 != "") {g++; util+=$4}}
+  END {if (n) printf "   host load %.1f on %d cores, GPU utilization %s (mean of %d samples, utilization.csv)\n",
+       load/n, cores, (g ? sprintf("%.0f%%", util/g) : "not read"), n}' "$OUT/utilization.csv"
 for d in runs/reproduce/*-gpu; do
   echo "   $d: $(ls "$d"/*/summary.json 2>/dev/null | wc -l) cells finished"
 done

@@ -55,6 +55,12 @@ def _h2d(t: Tensor, device: torch.device) -> Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _active(live: list[bool], device: torch.device) -> Tensor | None:
+    """Which peers step (``[peers]`` bool), or None when all do: then the update takes the
+    multi-tensor path (two calls for all parameters instead of a few ops each), same bits."""
+    return None if all(live) else _h2d(torch.tensor(live), device)
+
+
 def _weighted_ce(logits: Tensor, y: Tensor, w: Tensor) -> Tensor:
     """Mean cross-entropy over the real (weight 1) samples of a padded batch."""
     return (F.cross_entropy(logits, y, reduction="none") * w).sum() / w.sum().clamp(min=1.0)
@@ -173,8 +179,12 @@ class BatchedContext:
             if masks is not None:
                 for n, v in views.items():
                     v.mul_(masks[n])
-            loss_sum += torch.where(active, loss, 0.0)
-            steps += active.to(steps.dtype)
+            if active is None:
+                loss_sum += loss
+                steps += 1.0
+            else:
+                loss_sum += torch.where(active, loss, 0.0)
+                steps += active.to(steps.dtype)
         return loss_sum / steps.clamp(min=1.0)
 
     def gradients(self, names: list[str]) -> dict[str, Tensor]:
@@ -266,10 +276,10 @@ class BatchedContext:
                 return
             yield out
 
-    def _data_steps(self, phase: Phase, frozen: dict[str, Tensor]) -> Iterator[tuple[Tensor, GradAt]]:
+    def _data_steps(self, phase: Phase, frozen: dict[str, Tensor]) -> Iterator[tuple[Tensor | None, GradAt]]:
         """Per step: which peers step, and the vmapped gradient on their minibatches."""
         for positions in self._lockstep(phase):
-            active = _h2d(torch.tensor([p is not None for p in positions]), self.device)
+            active = _active([p is not None for p in positions], self.device)
             x, y, w = self._train.gather(positions, max(int(p.numel()) for p in positions if p is not None))
 
             def grad_at(params: dict[str, Tensor], x: Tensor = x, y: Tensor = y, w: Tensor = w):
@@ -277,7 +287,7 @@ class BatchedContext:
 
             yield active, grad_at
 
-    def _head_steps(self, phase: Phase, names: list[str]) -> Iterator[tuple[Tensor, GradAt]]:
+    def _head_steps(self, phase: Phase, names: list[str]) -> Iterator[tuple[Tensor | None, GradAt]]:
         """A head phase on cached body features: each peer's body runs once per distinct sample."""
         plans = [phase_plan(d, g, phase) for d, g in zip(self.datas, self.generators, strict=True)]
         feats, labels = self._features([needed for _, needed, _ in plans])
@@ -285,7 +295,7 @@ class BatchedContext:
         local = {n: n[len(prefix):] for n in names}
         for k in range(max((len(rows) for _, _, rows in plans), default=0)):
             rows = [r[k] if k < len(r) else None for _, _, r in plans]
-            active = _h2d(torch.tensor([r is not None for r in rows]), self.device)
+            active = _active([r is not None for r in rows], self.device)
             width = max(int(r.numel()) for r in rows if r is not None)
             idx = torch.zeros(self.num_peers, width, dtype=torch.int64)
             w = torch.zeros(self.num_peers, width)
