@@ -82,6 +82,14 @@ def keep_generation(node: Any, every: int) -> Callable[[int], None] | None:
     return on_round
 
 
+def keep_generations(gen: Path, peer: str) -> None:
+    """Drop all but the newest :data:`GENERATIONS` of ``peer``'s generations in ``gen`` (a writer
+    that saves straight into ``gen``, as a Flower node does; the Node's hook keeps its own list)."""
+    mine = sorted((p[1], f) for f in Path(gen).glob(f"{peer}.r*.npz") if (p := _parse(f.name)) and p[0] == peer)
+    for _, old in mine[:-GENERATIONS]:
+        old.unlink(missing_ok=True)
+
+
 def prepare_resume(run_dir: Path, peers: list[str], before: int | None = None) -> int:
     """Restore the last round every peer checkpointed (below ``before``); return it (0: start over).
 
@@ -121,4 +129,5 @@ def resumable(run_dir: Path, peers: list[str] | None = None) -> bool:
     return any(set(peers) <= have for have in gens.values())
 
 
-__all__ = ["GENERATIONS", "drop_generations", "keep_generation", "prepare_resume", "resumable"]
+__all__ = ["GENERATIONS", "drop_generations", "keep_generation", "keep_generations", "prepare_resume",
+           "resumable"]

@@ -21,9 +21,8 @@ half-way has something of each. The order changes no cell's name or config.
 Every cell (base + ``set`` + its case + its grid values) is validated before anything runs, so a
 typo in the last cell does not surface hours into the sweep. Each cell runs as its own
 ``p2pfl simulate`` subprocess, or ``p2pfl flower --baseline B`` for a case with ``flower: B``
-(a parameter-server baseline on Flower's runtime, on the same partition; no checkpoints, so an
-interrupted one reruns from round 0) (a crash in one cell cannot take the others down, and its output
-lands in ``<cell>/log.txt``). The sweep is resumable: a cell whose ``summary.json`` exists and
+(a parameter-server baseline on Flower's runtime, on the same partition, resumable alike) (a crash
+in one cell cannot take the others down, and its output lands in ``<cell>/log.txt``). The sweep is resumable: a cell whose ``summary.json`` exists and
 whose saved config matches the planned one is done; an interrupted cell with the planned config
 and checkpoints continues from the last round every peer checkpointed (``p2pfl simulate
 --resume``, see ``p2pfl/resume.py``); anything else in its folder (a failed or stale attempt) is
@@ -496,7 +495,7 @@ def simulate_command(cell_dir: Path, resume: bool = False, flower: str | None = 
     """How one cell runs: the ordinary CLI in a fresh interpreter (isolated, logged, killable)."""
     if flower is not None:
         return [sys.executable, "-m", "p2pfl.cli", "flower", "--config", str(cell_dir / "config.yaml"),
-                "--out", str(cell_dir), "--baseline", flower, "--quiet"]
+                "--out", str(cell_dir), "--baseline", flower, "--quiet"] + (["--resume"] if resume else [])
     return [sys.executable, "-m", "p2pfl.cli", "simulate", "--config", str(cell_dir / "config.yaml"),
             "--out", str(cell_dir), "--quiet"] + (["--resume"] if resume else [])
 
@@ -658,7 +657,7 @@ def core_slots(jobs: int) -> list[list[int]] | None:
 
 def _start(out: Path, res: CellResult, slot: int = 0, cores: list[int] | None = None) -> _Running:
     cell_dir = out / res.cell.name
-    resume = res.found == "interrupted" and res.cell.flower is None and can_resume(cell_dir, res.cell.config)
+    resume = res.found == "interrupted" and can_resume(cell_dir, res.cell.config)
     if cell_dir.exists() and not resume:  # a failed or stale attempt, or one without checkpoints: start clean
         shutil.rmtree(cell_dir)
     cell_dir.mkdir(parents=True, exist_ok=True)

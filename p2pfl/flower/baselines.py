@@ -28,6 +28,16 @@ instruction messages of the in-process loop are built with Flower's public ``Met
 Per-peer metrics: the strategy (``RecordingFedAvg``) sees every reply before it aggregates; the
 ClientApp tags its replies with its peer id (a ``ConfigRecord``, which FedAvg ignores). Replies
 are aggregated in peer order, so a run is bitwise repeatable whatever order they arrived in.
+
+Resuming (``run_baseline(resume=True)``, ``p2pfl flower --resume``): every ``checkpoint.every``
+rounds each node writes its own state (personal part, algorithm state, generator) as a checkpoint
+generation ``checkpoints/gen/<peer>.r<R>.npz`` when it trains round R, and the server writes the
+global model it will send next as ``checkpoints/gen/_server.r<R>.npz`` once round R's evaluations
+are recorded (the same generations and ``p2pfl.resume.prepare_resume`` as a simulation). A resumed
+run picks the last R that the server and every node have, cuts ``metrics.jsonl`` to the rounds
+before it and runs the rest with the round numbers shifted by R: the same messages, bitwise, as a
+run that was never interrupted. A config's own ClientApp (``app:``) keeps its state in
+``Context.state``, which has no checkpoint: such a run starts over.
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from p2pfl.algorithms import Algorithm, PeerState, TrainContext
 from p2pfl.badinput import BadInput, shorten
+from p2pfl.checkpoint import load_checkpoint, save_checkpoint
 from p2pfl.config import ExperimentConfig, parse_config
 from p2pfl.experiment import Experiment, peer_seed
 from p2pfl.flower.records import (
@@ -69,6 +80,7 @@ from p2pfl.flower.records import (
 )
 from p2pfl.modelpool import ModelPool
 from p2pfl.peerapp import PeerApp
+from p2pfl.resume import drop_generations, keep_generations, prepare_resume
 from p2pfl.runfolder import RunFolder
 
 log = logging.getLogger(__name__)
@@ -80,6 +92,7 @@ STATE_PERSONAL, STATE_RNG, STATE_EXTRA, STATE_SCALARS, STATE_ROUND = (
 JOINT = ("local", "dfedavg", "dfedavgm", "dpsgd", "dfedsam")
 ALTERNATING = ("deprl", "dfedmdc", "dfedsmdc")
 APP = "clientapp"  # a config's own Flower ClientApp: its train handler is the local rule
+SERVER = "_server"  # the server's checkpoint generations (a peer id cannot start with "_")
 
 
 @dataclass(frozen=True)
@@ -163,16 +176,20 @@ class BaselinePeers:
     (it is pickled to Ray's workers per message), and each process rebuilds the experiment once.
     """
 
-    def __init__(self, raw: dict[str, Any], baseline: str) -> None:
+    def __init__(self, raw: dict[str, Any], baseline: str, run_dir: str | None = None, resume_at: int = 0) -> None:
         self.raw = raw
         self.baseline = baseline
+        #: where the nodes write their checkpoint generations (None: no checkpoints)
+        self.run_dir = run_dir
+        #: a resumed run's first round: a node with no state yet starts from its checkpoint of it
+        self.resume_at = resume_at
         self._cache: dict[str, Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"raw": self.raw, "baseline": self.baseline}
+        return {"raw": self.raw, "baseline": self.baseline, "run_dir": self.run_dir, "resume_at": self.resume_at}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["raw"], state["baseline"])  # type: ignore[misc]
+        self.__init__(state["raw"], state["baseline"], state.get("run_dir"), state.get("resume_at", 0))  # type: ignore[misc]
 
     @property
     def exp(self) -> Experiment:
@@ -217,6 +234,8 @@ class BaselinePeers:
         st = context.state
         gen = torch.Generator(device="cpu")
         state = PeerState(peer_id=peer.peer_id, params=flat)
+        if STATE_RNG not in st.array_records and self.resume_at and self.run_dir is not None:
+            return self._resumed(peer, flat)
         if STATE_RNG not in st.array_records:
             if self._cache["scope"] == "shared":
                 flat[n:].copy_(exp._init[1][n:])
@@ -233,6 +252,30 @@ class BaselinePeers:
             state.scalars = {k: number(scalars, k) for k in scalars}
         state.round = int(number(st.config_records[STATE_ROUND], "round"))
         return state, gen
+
+    def _resumed(self, peer: _Peer, flat: torch.Tensor) -> tuple[PeerState, torch.Generator]:
+        """A node's state at the resumed round, from the checkpoint ``prepare_resume`` put back."""
+        path = Path(self.run_dir or ".") / "checkpoints" / f"{peer.peer_id}.npz"
+        saved, rng, _ = load_checkpoint(path, flat.device)
+        if saved.round != self.resume_at or saved.params.shape != flat.shape:
+            raise FlowerPeerError(f"{path}: checkpoint of round {saved.round}, shape {tuple(saved.params.shape)}; "
+                                  f"the run resumes at round {self.resume_at}, shape {tuple(flat.shape)}")
+        if self._cache["scope"] == "shared":
+            n = self.exp.layout.num_shared
+            flat[n:].copy_(saved.params[n:])
+        gen = torch.Generator(device="cpu")
+        gen.set_state(rng)
+        return PeerState(peer_id=peer.peer_id, params=flat, extra=saved.extra, scalars=saved.scalars,
+                         round=saved.round), gen
+
+    def _checkpoint(self, state: PeerState, gen: torch.Generator) -> None:
+        """Every ``checkpoint.every`` rounds (and the last), this node's state as a generation."""
+        every, rounds = self.exp.cfg.checkpoint_every, self.exp.cfg.rounds
+        if self.run_dir is None or not every or (state.round % every and state.round != rounds):
+            return
+        gen_dir = Path(self.run_dir) / "checkpoints" / "gen"
+        save_checkpoint(gen_dir / f"{state.peer_id}.r{state.round}.npz", state, gen)
+        keep_generations(gen_dir, state.peer_id)
 
     def _save(self, context: Context, state: PeerState, gen: torch.Generator) -> None:
         st, layout = context.state, self.exp.layout
@@ -275,6 +318,7 @@ class BaselinePeers:
             metrics = peer.algorithm.local_update(state, ctx, r)
         state.round = r + 1
         self._save(context, state, gen)
+        self._checkpoint(state, gen)
         part = "shared" if self._cache["scope"] == "shared" else "all"
         return Message(RecordDict({
             ARRAYS_KEY: array_record(self.exp.layout.views(state.params, part)),
@@ -324,6 +368,9 @@ class AppBaselinePeers(BaselinePeers):
     hands the app the full state with ``app_config`` as its ``run_config``, keeps the personal keys
     of its reply at home and sends the rest back. The app's metrics pass through unchanged.
     """
+
+    def __init__(self, raw: dict[str, Any], baseline: str, run_dir: str | None = None, resume_at: int = 0) -> None:
+        super().__init__(raw, baseline, None, 0)  # the app's Context.state has no checkpoint: no resume
 
     def _app_context(self, context: Context, peer_id: str, index: int) -> Context:
         exp = self.exp
@@ -380,14 +427,16 @@ class AppBaselinePeers(BaselinePeers):
         return Message(out, reply_to=msg)
 
 
-def baseline_peers(raw: dict[str, Any], baseline: str) -> BaselinePeers:
+def baseline_peers(raw: dict[str, Any], baseline: str, run_dir: str | None = None, resume_at: int = 0) -> BaselinePeers:
     """The handlers for config ``raw``: its own ClientApp's (``app:``) or the built-in algorithm's."""
-    return (AppBaselinePeers if raw.get("app") else BaselinePeers)(raw, baseline)
+    return (AppBaselinePeers if raw.get("app") else BaselinePeers)(raw, baseline, run_dir, resume_at)
 
 
-def make_client_app(raw: dict[str, Any], baseline: str) -> ClientApp:
-    """A Flower ClientApp for every peer of the config ``raw`` (which peer: from the node's Context)."""
-    peers = baseline_peers(raw, baseline)
+def make_client_app(raw: dict[str, Any], baseline: str, run_dir: str | None = None, resume_at: int = 0) -> ClientApp:
+    """A Flower ClientApp for every peer of the config ``raw`` (which peer: from the node's Context);
+    with ``run_dir`` the nodes write checkpoint generations there, and a run resumed at round
+    ``resume_at`` starts each node from its checkpoint of that round."""
+    peers = baseline_peers(raw, baseline, run_dir, resume_at)
     app = ClientApp()
     app.train()(peers.train)
     app.evaluate()(peers.evaluate)
@@ -416,14 +465,20 @@ class RecordingFedAvg(FedAvg):
     are aggregated in peer order (``order``), whatever order the runtime delivered them in.
     """
 
-    def __init__(self, peer_ids: list[str], record: Observer) -> None:
+    def __init__(self, peer_ids: list[str], record: Observer, *, offset: int = 0,
+                 checkpoint: Callable[[int, ArrayRecord], None] | None = None) -> None:
         n = len(peer_ids)
         super().__init__(fraction_train=1.0, fraction_evaluate=1.0, min_train_nodes=n, min_evaluate_nodes=n,
                          min_available_nodes=n, arrayrecord_key=ARRAYS_KEY, configrecord_key=CONFIG_KEY)
         self.order = {p: i for i, p in enumerate(peer_ids)}
         self.record = record
+        #: rounds already run before this start (a resumed run): Flower's round k is the run's round k + offset
+        self.offset = offset
+        #: called with (rounds done, the global model sent next) once a round's evaluations are recorded
+        self.checkpoint = checkpoint
         self.sent_bytes = 0  # what one instruction carries this round (the global arrays)
         self._train: dict[str, dict[str, Any]] = {}
+        self._arrays: ArrayRecord | None = None  # the last aggregate, for ``checkpoint``
 
     def note_sent(self, arrays: ArrayRecord) -> None:
         self.sent_bytes = int(arrays.count_bytes())
@@ -431,12 +486,12 @@ class RecordingFedAvg(FedAvg):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         self.note_sent(arrays)
-        return super().configure_train(server_round, arrays, config, grid)
+        return super().configure_train(server_round + self.offset, arrays, config, grid)
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
         self.note_sent(arrays)
-        return super().configure_evaluate(server_round, arrays, config, grid)
+        return super().configure_evaluate(server_round + self.offset, arrays, config, grid)
 
     def _sorted(self, replies: Iterable[Message], kind: str) -> list[Message]:
         replies = list(replies)
@@ -452,20 +507,25 @@ class RecordingFedAvg(FedAvg):
             rec: dict[str, Any] = train_columns(message_metrics(m))
             rec.update(bytes_sent=record_bytes(m.content), bytes_recv=self.sent_bytes)
             self._train[_peer_id(m)] = rec
-        return super().aggregate_train(server_round, replies)
+        arrays, metrics = super().aggregate_train(server_round + self.offset, replies)
+        self._arrays = arrays
+        return arrays, metrics
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         replies = self._sorted(replies, "evaluate")
         for m in replies:
             pid = _peer_id(m)
-            rec: dict[str, Any] = {"round": server_round - 1, "peer": pid, **with_acc_loss(message_metrics(m)),
+            rec: dict[str, Any] = {"round": server_round + self.offset - 1, "peer": pid,
+                                   **with_acc_loss(message_metrics(m)),
                                    "consensus_dist": 0.0, "missing": []}
             tr = self._train.pop(pid, {"bytes_sent": 0, "bytes_recv": 0})
             rec.update(tr)
             rec["bytes_recv"] = tr["bytes_recv"] + self.sent_bytes
             rec["seconds"] = float(tr.get("train_seconds", 0.0))
             self.record(rec)
-        return super().aggregate_evaluate(server_round, replies)
+        if self.checkpoint is not None and self._arrays is not None:
+            self.checkpoint(server_round + self.offset, self._arrays)
+        return super().aggregate_evaluate(server_round + self.offset, replies)
 
 
 class StoppableGrid(Grid):
@@ -541,7 +601,8 @@ def run_in_process(client_app: ClientApp, strategy: RecordingFedAvg, peer_ids: l
     """The same rounds without a Flower runtime (Ray missing): deliver, then aggregate with ``strategy``.
 
     One persistent Context per node, as a SuperNode keeps; every node trains and evaluates every
-    round (what ``RecordingFedAvg`` samples with fraction 1). Messages carry public ``Metadata``.
+    round (what ``RecordingFedAvg`` samples with fraction 1). Messages carry public ``Metadata``;
+    their round is the run's (``strategy.offset`` added, as ``configure_train`` adds it).
     """
     n = len(peer_ids)
     contexts = [Context(run_id=run_id, node_id=FIRST_NODE_ID + i,
@@ -555,7 +616,8 @@ def run_in_process(client_app: ClientApp, strategy: RecordingFedAvg, peer_ids: l
             replies = []
             for ctx in contexts:
                 seq += 1
-                content = RecordDict({ARRAYS_KEY: arrays, CONFIG_KEY: ConfigRecord({"server-round": server_round})})
+                content = RecordDict({ARRAYS_KEY: arrays,
+                                      CONFIG_KEY: ConfigRecord({"server-round": server_round + strategy.offset})})
                 msg = instruction(content, kind, run_id=run_id, src_node_id=1, dst_node_id=ctx.node_id,
                                   message_id=f"{seq:016x}", group_id=str(server_round))
                 replies.append(client_app(msg, ctx))
@@ -574,11 +636,13 @@ def ray_available() -> bool:
 
 def run_baseline(cfg: ExperimentConfig, out_dir: str | Path, baseline: str = "fedper", *,
                  runtime: str = "auto", experiment: Experiment | None = None, verbose: bool = False,
-                 ray_cpus: int | None = None) -> dict[str, Any]:
+                 ray_cpus: int | None = None, resume: bool = False) -> dict[str, Any]:
     """Run ``baseline`` on ``cfg``'s peers; write the run folder (same format as ``p2pfl simulate``).
 
     ``runtime``: ``ray`` (Flower's simulation runtime), ``in-process``, or ``auto`` (Ray when it
-    is installed). ``summary.json`` records the one that ran.
+    is installed). ``summary.json`` records the one that ran. ``resume``: continue an interrupted
+    run in ``out_dir`` from the last round the server and every node checkpointed (module doc);
+    from round 0 when there is none.
     """
     if runtime not in ("auto", "ray", "in-process"):
         raise BadInput(f"unknown runtime {shorten(repr(runtime))}", source="--runtime",
@@ -590,13 +654,14 @@ def run_baseline(cfg: ExperimentConfig, out_dir: str | Path, baseline: str = "fe
         raise RuntimeError("runtime ray: Ray is not installed (pip install 'flwr[simulation]')")
     run_dir = Path(out_dir)
     exp = experiment or Experiment.from_config(cfg)
-    run = RunFolder.start(run_dir, cfg, exp.topology, exp.partition, f"flower-{baseline}")
     ids = list(exp.topology.ids)
+    start = prepare_resume(run_dir, [*ids, SERVER], before=cfg.rounds) if resume else 0
+    run = RunFolder.start(run_dir, cfg, exp.topology, exp.partition, f"flower-{baseline}", append=start > 0)
     raw = portable_config(cfg)
     experiment_for(raw, exp)  # this process's peers reuse the experiment already built
-    client_app = make_client_app(raw, baseline)
-    strategy = RecordingFedAvg(ids, run.record)
-    initial = initial_arrays(exp, b.scope)
+    client_app = make_client_app(raw, baseline, str(run_dir.resolve()), start)
+    strategy = RecordingFedAvg(ids, run.record, offset=start, checkpoint=server_checkpoint(exp, b.scope, run_dir))
+    initial = initial_arrays(exp, b.scope) if start == 0 else resumed_arrays(exp, b.scope, run_dir, start)
     flwr_logger = logging.getLogger("flwr")
     saved_level = flwr_logger.level
     if not verbose:
@@ -608,7 +673,7 @@ def run_baseline(cfg: ExperimentConfig, out_dir: str | Path, baseline: str = "fe
             cpus = ray_cpus or max(1, min(len(ids), _cpus()))
             stop = threading.Event()
             try:
-                run_simulation(server_app=make_server_app(strategy, initial, cfg.rounds, stop),
+                run_simulation(server_app=make_server_app(strategy, initial, cfg.rounds - start, stop),
                                client_app=client_app, num_supernodes=len(ids),
                                backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                                "init_args": {"num_cpus": cpus, "include_dashboard": False}},
@@ -618,22 +683,60 @@ def run_baseline(cfg: ExperimentConfig, out_dir: str | Path, baseline: str = "fe
         else:
             saved_threads = torch.get_num_threads()
             try:
-                run_in_process(client_app, strategy, ids, initial, cfg.rounds)
+                run_in_process(client_app, strategy, ids, initial, cfg.rounds - start)
             finally:
                 torch.set_num_threads(saved_threads)
     finally:
         run.close()
         flwr_logger.setLevel(saved_level)
-    return finish_run_folder(run, ids, baseline, "flwr-simulation-ray" if runtime == "ray" else "in-process")
+    summary = finish_run_folder(run, ids, baseline, "flwr-simulation-ray" if runtime == "ray" else "in-process",
+                                start)
+    drop_generations(run_dir)
+    return summary
 
 
-def finish_run_folder(run: RunFolder, ids: list[str], baseline: str, runtime: str) -> dict[str, Any]:
+def server_checkpoint(exp: Experiment, scope: str, run_dir: Path) -> Callable[[int, ArrayRecord], None] | None:
+    """The server's part of a checkpoint: every ``checkpoint.every`` rounds (and the last), the global
+    model it sends next, as generation ``_server.r<R>`` (a flat buffer; the personal part is zeros
+    where only the body is averaged). None when the config disables checkpoints."""
+    every, rounds, layout = exp.cfg.checkpoint_every, exp.cfg.rounds, exp.layout
+    if not every:
+        return None
+    specs = layout.shared_specs() if scope == "shared" else layout.specs
+    gen_dir = run_dir / "checkpoints" / "gen"
+
+    def save(done: int, arrays: ArrayRecord) -> None:
+        if done % every and done != rounds:
+            return
+        flat = torch.zeros(layout.numel, dtype=torch.float32)
+        load_arrays(specs, arrays, flat, "the aggregated ArrayRecord")
+        save_checkpoint(gen_dir / f"{SERVER}.r{done}.npz", PeerState(peer_id=SERVER, params=flat, round=done),
+                        torch.Generator())  # the server draws nothing: its generator is not used
+        keep_generations(gen_dir, SERVER)
+
+    return save
+
+
+def resumed_arrays(exp: Experiment, scope: str, run_dir: Path, start: int) -> ArrayRecord:
+    """The global model a run resumed at round ``start`` sends first (its server checkpoint)."""
+    path = run_dir / "checkpoints" / f"{SERVER}.npz"
+    saved, _, _ = load_checkpoint(path)
+    if saved.round != start or saved.params.numel() != exp.layout.numel:
+        raise FlowerPeerError(f"{path}: a server checkpoint of round {saved.round} with {saved.params.numel()} "
+                              f"values; the run resumes at round {start} with {exp.layout.numel}")
+    dtypes = exp._app_init[2] if exp.app_spec is not None else None
+    return array_record(exp.layout.views(saved.params, "shared" if scope == "shared" else "all"), dtypes)
+
+
+def finish_run_folder(run: RunFolder, ids: list[str], baseline: str, runtime: str, start: int = 0) -> dict[str, Any]:
     """The run folder's summary (with the runtime that ran) and plot; every peer-round must be there."""
     recs = len(run.metrics.path.read_text().splitlines())
     if recs != len(ids) * run.cfg.rounds:
         raise FlowerPeerError(f"{recs} peer-rounds recorded, {len(ids) * run.cfg.rounds} expected")
-    return run.finish(ids, {"baseline": baseline, "runtime": runtime, "strategy": "FedAvg"},
-                      title=f"{run.cfg.name}: {run.mode} ({run.cfg.algorithm_name} local rule)")
+    return run.finish(ids, {"baseline": baseline, "runtime": runtime, "strategy": "FedAvg",
+                            "resumed_from_round": start},
+                      title=f"{run.cfg.name}: {run.mode} ({run.cfg.algorithm_name} local rule)",
+                      rounds_run=run.cfg.rounds - start)
 
 
 def _cpus() -> int:

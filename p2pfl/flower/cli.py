@@ -20,6 +20,8 @@ def flower_command(config: ConfigOpt, rounds: Annotated[int | None, typer.Option
                             "fedrod (body + generic head averaged; generic + personal head evaluated)")] = "fedper",
                    runtime: Annotated[str, typer.Option(
                        help="auto (Ray when installed) | ray (flwr.simulation.run_simulation) | in-process")] = "auto",
+                   resume: Annotated[bool, typer.Option("--resume", help="continue an interrupted run in --out from "
+                                                        "the last round the server and every node checkpointed")] = False,
                    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no summary table")] = False,
                    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
     """Centralized baseline: CONFIG's peers as Flower nodes under Flower's FedAvg (same data, models, local rule)."""
@@ -31,7 +33,7 @@ def flower_command(config: ConfigOpt, rounds: Annotated[int | None, typer.Option
     cfg = _load(config, set, rounds)
     run_dir = out or default_run_dir(cfg.name, f"flower-{baseline}-{cfg.algorithm_name}")
     try:
-        summary = run_baseline(cfg, run_dir, baseline, runtime=runtime, verbose=verbose)
+        summary = run_baseline(cfg, run_dir, baseline, runtime=runtime, verbose=verbose, resume=resume)
     except BadInput:
         raise  # one line, exit 2 (p2pfl.cli.main)
     except (ValueError, RuntimeError) as exc:
