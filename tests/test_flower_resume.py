@@ -70,7 +70,7 @@ def test_a_run_that_failed_mid_way_resumes_to_the_uninterrupted_numbers(tmp_path
     assert resumed["resumed_from_round"] == 2
     assert _records(run) == _records(tmp_path / "whole")  # round 2 recorded again, once; all bitwise equal
     assert resumed["final_acc_mean"] == whole["final_acc_mean"]
-    assert not (run / "checkpoints" / "gen").exists()  # a finished run keeps no generations
+    assert not (run / "checkpoints").exists()  # a finished run keeps no checkpoint (none is a final model)
 
 
 @pytest.mark.timeout(180)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -691,7 +692,10 @@ def run_baseline(cfg: ExperimentConfig, out_dir: str | Path, baseline: str = "fe
         flwr_logger.setLevel(saved_level)
     summary = finish_run_folder(run, ids, baseline, "flwr-simulation-ray" if runtime == "ray" else "in-process",
                                 start)
+    # A node's checkpoint is resume state, not a final model (a resumed run's put-back files are
+    # of an earlier round): a finished baseline keeps none, so nothing reads them as final models.
     drop_generations(run_dir)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return summary
 
 
