@@ -21,11 +21,11 @@ half-way has something of each. The order changes no cell's name or config.
 Every cell (base + ``set`` + its case + its grid values) is validated before anything runs, so a
 typo in the last cell does not surface hours into the sweep. Each cell runs as its own
 ``p2pfl simulate`` subprocess, or ``p2pfl flower --baseline B`` for a case with ``flower: B``
-(a parameter-server baseline on Flower's runtime, on the same partition, resumable alike) (a crash
-in one cell cannot take the others down, and its output lands in ``<cell>/log.txt``). The sweep is resumable: a cell whose ``summary.json`` exists and
-whose saved config matches the planned one is done; an interrupted cell with the planned config
-and checkpoints continues from the last round every peer checkpointed (``p2pfl simulate
---resume``, see ``p2pfl/resume.py``); anything else in its folder (a failed or stale attempt) is
+(a parameter-server baseline on Flower's runtime, on the same partition) (a crash in one cell
+cannot take the others down, and its output lands in ``<cell>/log.txt``). The sweep is resumable:
+a cell whose ``summary.json`` exists and whose saved config matches the planned one is done; an
+interrupted cell with the planned config and checkpoints continues from the last round every peer
+checkpointed (``p2pfl simulate --resume`` or ``p2pfl flower --resume``, see ``p2pfl/resume.py``); anything else in its folder (a failed or stale attempt) is
 deleted and rerun from scratch, so no cell ever mixes two configs. ``sweep.json`` in the sweep folder lists every cell, its overrides and its status.
 """
 
@@ -330,13 +330,13 @@ def plan_cells(spec: SweepSpec, *, jobs: int = 1, cores: int | None = None) -> l
     cases: list[Case | None] = list(spec.cases) or [None]
 
     if spec.order == "grid":
-        pairs_in_order = [(case, values) for values in combos for case in cases]
+        planned = [(case, values) for values in combos for case in cases]
     else:
-        pairs_in_order = [(case, values) for case in cases for values in combos]
+        planned = [(case, values) for case in cases for values in combos]
 
     cells: list[Cell] = []
     errors: list[str] = []
-    for case, values in pairs_in_order:
+    for case, values in planned:
         pairs = list(spec.overrides) + list(case.overrides if case else ()) + list(values.items())
         name = cell_name(case.name if case else None, values)
         try:

@@ -229,14 +229,14 @@ class BaselinePeers:
         """Fill ``flat``'s personal part (scope "shared") and rebuild PeerState + generator from the state.
 
         On first use, start as ``Experiment.make_node`` does: the initial head, the peer's own
-        seeded generator, then ``Algorithm.init_state``.
+        seeded generator, then ``Algorithm.init_state``; in a resumed run, from the node's checkpoint.
         """
         exp, n = self.exp, self.exp.layout.num_shared
         st = context.state
-        gen = torch.Generator(device="cpu")
-        state = PeerState(peer_id=peer.peer_id, params=flat)
         if STATE_RNG not in st.array_records and self.resume_at and self.run_dir is not None:
             return self._resumed(peer, flat)
+        gen = torch.Generator(device="cpu")
+        state = PeerState(peer_id=peer.peer_id, params=flat)
         if STATE_RNG not in st.array_records:
             if self._cache["scope"] == "shared":
                 flat[n:].copy_(exp._init[1][n:])
@@ -661,7 +661,9 @@ def run_baseline(cfg: ExperimentConfig, out_dir: str | Path, baseline: str = "fe
     raw = portable_config(cfg)
     experiment_for(raw, exp)  # this process's peers reuse the experiment already built
     client_app = make_client_app(raw, baseline, str(run_dir.resolve()), start)
-    strategy = RecordingFedAvg(ids, run.record, offset=start, checkpoint=server_checkpoint(exp, b.scope, run_dir))
+    # a config's own ClientApp keeps its state where no checkpoint reaches (module doc): no server part either
+    checkpoint = server_checkpoint(exp, b.scope, run_dir) if exp.app_spec is None else None
+    strategy = RecordingFedAvg(ids, run.record, offset=start, checkpoint=checkpoint)
     initial = initial_arrays(exp, b.scope) if start == 0 else resumed_arrays(exp, b.scope, run_dir, start)
     flwr_logger = logging.getLogger("flwr")
     saved_level = flwr_logger.level
