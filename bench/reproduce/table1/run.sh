@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DePRL Table 1 (Fashion-MNIST) at the papers' protocols, in priority order: the Ring column
 # (pi 0.1, 0.3, 0.5), then DFedSAM's claim (../claims/dfedsam.yaml, seeds 0-2), then the parameter-server
-# baselines of Ring pi 0.1 on Flower (ps-ring-pi0.1.yaml, DePRL Table 7), then Random, then FC, then the
+# baselines of the Ring on Flower (ps-ring-pi0.{1,3,5}.yaml, DePRL Table 7), then Random, then FC, then the
 # claims whose cells ran on a GPU with the batched engine (DFedPGP, DFedMDC, DFedADMM; about 3.5 hours
 # here) as the exact engine's cross-check; each (graph, pi) as three sweep files: DePRL
 # (epochs) seeds 0-2, then seed 0 of D-PSGD, the literal DePRL-steps variant and DisPFL, then their seeds 1-2.
@@ -12,7 +12,7 @@
 # (docs/results/runs/) count as finished on a fresh checkout too (results_md.py --restore puts them
 # back under runs/reproduce first).
 #
-#   bench/reproduce/table1/run.sh                       # the 27 protocol files, 4 claims, PS pi 0.1, in order
+#   bench/reproduce/table1/run.sh                       # the 27 protocol files, 4 claims, 3 PS files, in order
 #   bench/reproduce/table1/run.sh smoke-ring-pi0.1      # named sweeps of this folder only
 #   bench/reproduce/table1/run.sh claims/dfedadmm       # a claim's sweep (bench/reproduce/claims/)
 #   COMMIT=<sha> bench/reproduce/table1/run.sh          # run another commit's code
@@ -41,7 +41,8 @@ if [ $# -eq 0 ]; then
   DEFAULT=1
   for g in ring random fc; do
     for pi in 0.1 0.3 0.5; do set -- "$@" "$g-pi$pi" "$g-pi$pi-seed0" "$g-pi$pi-seeds12"; done
-    [ "$g" = ring ] && set -- "$@" claims/dfedsam ps-ring-pi0.1
+    # the parameter-server baselines (Flower, CPU only) before Random and FC, which a lent GPU runs far faster
+    [ "$g" = ring ] && set -- "$@" claims/dfedsam ps-ring-pi0.1 ps-ring-pi0.3 ps-ring-pi0.5
   done
   # claims whose cells ran on a GPU (batched engine, ../run_gpu.sh): the exact engine's cross-check, last
   CROSS="claims/dfedpgp claims/dfedmdc claims/dfedadmm"  # run here even though their GPU cells finished
