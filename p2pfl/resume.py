@@ -20,6 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from p2pfl.algorithms.base import PeerState
+from p2pfl.checkpoint import save_checkpoint
 from p2pfl.runfolder import keep_rounds
 
 #: Checkpoint generations kept per peer (peers drift apart by far less than two checkpoint intervals).
@@ -64,7 +68,7 @@ def keep_generation(node: Any, every: int) -> Callable[[int], None] | None:
     def on_round(r: int) -> None:
         nonlocal mine
         done = r + 1
-        if done % every == 0 or done == node.rounds:
+        if checkpoint_due(done, every, node.rounds):
             gen = ckpt.parent / "gen"
             gen.mkdir(parents=True, exist_ok=True)
             if mine is None:
@@ -82,10 +86,21 @@ def keep_generation(node: Any, every: int) -> Callable[[int], None] | None:
     return on_round
 
 
-def keep_generations(gen: Path, peer: str) -> None:
-    """Drop all but the newest :data:`GENERATIONS` of ``peer``'s generations in ``gen`` (a writer
-    that saves straight into ``gen``, as a Flower node does; the Node's hook keeps its own list)."""
-    mine = sorted((p[1], f) for f in Path(gen).glob(f"{peer}.r*.npz") if (p := _parse(f.name)) and p[0] == peer)
+def checkpoint_due(done: int, every: int, rounds: int) -> bool:
+    """Whether a writer checkpoints after ``done`` rounds: every ``every`` (0: never) and the last."""
+    return bool(every) and (done % every == 0 or done == rounds)
+
+
+def save_generation(run_dir: Path, state: PeerState, generator: torch.Generator, every: int, rounds: int) -> None:
+    """For a writer without a Node (a Flower node, the Flower server): on the checkpoint rounds
+    (every ``every``, and the last of ``rounds``), ``state`` as generation ``<peer>.r<round>``,
+    keeping the newest :data:`GENERATIONS` of that peer (the Node's hook keeps its own list)."""
+    done, peer = state.round, state.peer_id
+    if not checkpoint_due(done, every, rounds):
+        return
+    gen = _gen_dir(run_dir)
+    save_checkpoint(gen / f"{peer}.r{done}.npz", state, generator)
+    mine = sorted((p[1], f) for f in gen.glob(f"{peer}.r*.npz") if (p := _parse(f.name)) and p[0] == peer)
     for _, old in mine[:-GENERATIONS]:
         old.unlink(missing_ok=True)
 
@@ -129,5 +144,5 @@ def resumable(run_dir: Path, peers: list[str] | None = None) -> bool:
     return any(set(peers) <= have for have in gens.values())
 
 
-__all__ = ["GENERATIONS", "drop_generations", "keep_generation", "keep_generations", "prepare_resume",
-           "resumable"]
+__all__ = ["GENERATIONS", "checkpoint_due", "drop_generations", "keep_generation", "prepare_resume", "resumable",
+           "save_generation"]

@@ -25,8 +25,10 @@ typo in the last cell does not surface hours into the sweep. Each cell runs as i
 cannot take the others down, and its output lands in ``<cell>/log.txt``). The sweep is resumable:
 a cell whose ``summary.json`` exists and whose saved config matches the planned one is done; an
 interrupted cell with the planned config and checkpoints continues from the last round every peer
-checkpointed (``p2pfl simulate --resume`` or ``p2pfl flower --resume``, see ``p2pfl/resume.py``); anything else in its folder (a failed or stale attempt) is
-deleted and rerun from scratch, so no cell ever mixes two configs. ``sweep.json`` in the sweep folder lists every cell, its overrides and its status.
+checkpointed (``p2pfl simulate --resume`` or ``p2pfl flower --resume``, see ``p2pfl/resume.py``);
+anything else in its folder (a failed or stale attempt) is deleted and rerun from scratch, so no
+cell ever mixes two configs. ``sweep.json`` in the sweep folder lists every cell, its overrides and
+its status.
 """
 
 from __future__ import annotations

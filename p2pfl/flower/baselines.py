@@ -61,7 +61,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from p2pfl.algorithms import Algorithm, PeerState, TrainContext
 from p2pfl.badinput import BadInput, shorten
-from p2pfl.checkpoint import load_checkpoint, save_checkpoint
+from p2pfl.checkpoint import load_checkpoint
 from p2pfl.config import ExperimentConfig, parse_config
 from p2pfl.experiment import Experiment, peer_seed
 from p2pfl.flower.records import (
@@ -81,7 +81,7 @@ from p2pfl.flower.records import (
 )
 from p2pfl.modelpool import ModelPool
 from p2pfl.peerapp import PeerApp
-from p2pfl.resume import drop_generations, keep_generations, prepare_resume
+from p2pfl.resume import checkpoint_due, drop_generations, prepare_resume, save_generation
 from p2pfl.runfolder import RunFolder
 
 log = logging.getLogger(__name__)
@@ -269,15 +269,6 @@ class BaselinePeers:
         return PeerState(peer_id=peer.peer_id, params=flat, extra=saved.extra, scalars=saved.scalars,
                          round=saved.round), gen
 
-    def _checkpoint(self, state: PeerState, gen: torch.Generator) -> None:
-        """Every ``checkpoint.every`` rounds (and the last), this node's state as a generation."""
-        every, rounds = self.exp.cfg.checkpoint_every, self.exp.cfg.rounds
-        if self.run_dir is None or not every or (state.round % every and state.round != rounds):
-            return
-        gen_dir = Path(self.run_dir) / "checkpoints" / "gen"
-        save_checkpoint(gen_dir / f"{state.peer_id}.r{state.round}.npz", state, gen)
-        keep_generations(gen_dir, state.peer_id)
-
     def _save(self, context: Context, state: PeerState, gen: torch.Generator) -> None:
         st, layout = context.state, self.exp.layout
         if self._cache["scope"] == "shared":
@@ -319,7 +310,8 @@ class BaselinePeers:
             metrics = peer.algorithm.local_update(state, ctx, r)
         state.round = r + 1
         self._save(context, state, gen)
-        self._checkpoint(state, gen)
+        if self.run_dir is not None:
+            save_generation(Path(self.run_dir), state, gen, self.exp.cfg.checkpoint_every, self.exp.cfg.rounds)
         part = "shared" if self._cache["scope"] == "shared" else "all"
         return Message(RecordDict({
             ARRAYS_KEY: array_record(self.exp.layout.views(state.params, part)),
@@ -709,16 +701,14 @@ def server_checkpoint(exp: Experiment, scope: str, run_dir: Path) -> Callable[[i
     if not every:
         return None
     specs = layout.shared_specs() if scope == "shared" else layout.specs
-    gen_dir = run_dir / "checkpoints" / "gen"
 
     def save(done: int, arrays: ArrayRecord) -> None:
-        if done % every and done != rounds:
-            return
+        if not checkpoint_due(done, every, rounds):
+            return  # decided before the ArrayRecord is copied out
         flat = torch.zeros(layout.numel, dtype=torch.float32)
         load_arrays(specs, arrays, flat, "the aggregated ArrayRecord")
-        save_checkpoint(gen_dir / f"{SERVER}.r{done}.npz", PeerState(peer_id=SERVER, params=flat, round=done),
-                        torch.Generator())  # the server draws nothing: its generator is not used
-        keep_generations(gen_dir, SERVER)
+        save_generation(run_dir, PeerState(peer_id=SERVER, params=flat, round=done),
+                        torch.Generator(), every, rounds)  # the server draws nothing: its generator is not used
 
     return save
 
