@@ -164,6 +164,50 @@ def test_peers_with_less_data_stop_when_their_epoch_ends(tmp_path: Path) -> None
         assert torch.equal(node.generator.get_state(), sim.generators[i].get_state())  # same draws
 
 
+@pytest.mark.parametrize("block", ["all", "personal"])
+def test_the_vmapped_path_computes_only_the_peers_still_in_their_epoch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       block: str) -> None:
+    """On the vmapped (GPU) path a step's forward/backward, a body-feature chunk and an evaluation
+    chunk run on the live peers only (``context.COMPACT``): the same parameters, losses and
+    accuracies as the padded stack, with fewer peer-rows computed once the smaller peers' epochs end
+    (a head phase of two epochs trains on cached body features: its feature chunks are compacted)."""
+    monkeypatch.setattr(context, "VECTORIZE", True)
+    monkeypatch.setattr(context, "EVAL_ROWS", 16 * PEERS)  # chunks of 16 rows: the smaller peers' end early
+    phase = Phase(lr=0.1, amount=2, momentum=0.9, weight_decay=5e-4)
+    results = {}
+    for compact in (False, True):
+        monkeypatch.setattr(context, "COMPACT", compact)
+        folder = tmp_path / str(compact)
+        folder.mkdir()
+        # seed 1: the largest peers are the last ones, so the live peers of a late step are not a prefix
+        exp = Experiment.from_config(load_config(tiny_config(
+            folder, peers=PEERS, algorithm={"name": "local"}, data=DATA, seed=1,
+            simulation={"workers": 1, "engine": "batched"})))
+        sim = BatchedSimulation(exp, None, lambda rec: None)
+        steps = [d.steps_per_epoch() for d in sim.ctx.datas]
+        assert steps[0] < max(steps)  # uneven, and peer 0 idles before the last step
+        rows: list[int] = []
+        for name in ("_grad", "_head_grad", "_represent"):
+            if hasattr(sim.ctx, name):
+                inner = getattr(sim.ctx, name)
+
+                def counted(*args: Any, inner: Any = inner, rows: list[int] = rows) -> Any:
+                    rows.append(int(args[-1].shape[0]))  # the peer dimension of the batch
+                    return inner(*args)
+
+                setattr(sim.ctx, name, counted)
+        start = sim.state.params.clone()
+        loss = sim.ctx.train(block, phase)
+        results[compact] = (start, sim.state.params.clone(), loss, sim.ctx.evaluate(), rows)
+    (s0, p0, l0, e0, rows0), (s1, p1, l1, e1, rows1) = results[False], results[True]
+    assert torch.equal(s0, s1) and not torch.equal(p1, s1)  # same start; the phase moved the peers
+    assert torch.allclose(p0, p1, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(l0, l1, rtol=1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-6) for a, b in zip(e0, e1, strict=True))
+    assert set(rows0) == {PEERS}  # padded: every peer, every step
+    assert min(rows1) < PEERS and sum(rows1) < sum(rows0)  # compacted: the live peers only
+
+
 def test_engine_key_is_checked(tmp_path: Path) -> None:
     path = tiny_config(tmp_path, simulation={"workers": 1, "engine": "vectorized"})
     with pytest.raises(ConfigError, match="engine"):
