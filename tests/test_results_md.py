@@ -157,3 +157,16 @@ def test_a_named_variant_is_judged_against_the_neighbours_of_the_case_it_stands_
     assert {o["result"] for o in setting["orderings"]} == {rmd.NOT_RUN} and out["status"] == rmd.NOT_RUN
     variant = next(m for m in setting["methods"] if m["variant_of"])
     assert (variant["case"], variant["paper"], variant["seeds_planned"]) == ("dfedsmdc-rho0.05", 87.67, [0, 1, 2])
+
+
+def test_the_paper_model_has_the_tighter_target() -> None:
+    """AlexNet cells are judged against 1.5 points, cnn_small ones against 4 (issue 12's targets)."""
+    assert "within the 4-point cnn_small target" in rmd.vs_paper(93.0, 0.5, 96.66, 0.2)
+    assert "outside the 1.5-point alexnet target" in rmd.vs_paper(93.0, 0.5, 96.66, 0.2, "alexnet")
+    assert "within the 1.5-point alexnet target" in rmd.vs_paper(95.5, 0.1, 96.66, 0.2, "alexnet")
+    alex = [s for s in rmd.SWEEPS if s.table == "deprl-t1-alexnet"]
+    assert [s.model for s in alex] == ["alexnet"] and all(s.model == "cnn_small" for s in rmd.SWEEPS if s not in alex)
+    for sweep in alex:  # its files exist and set the model; the cells are the cnn_small Ring pi 0.1 cases
+        for f in sweep.files:
+            spec = yaml.safe_load((rmd.TABLE1_DIR / f"{f}.yaml").read_text())
+            assert spec["set"]["model.name"] == "alexnet" and spec["set"]["data.partition.pi"] == 0.1

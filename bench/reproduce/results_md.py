@@ -138,6 +138,7 @@ class SweepDef:
     table: str
     graph: str
     pi: float
+    model: str = "cnn_small"  # the paper's is AlexNet: its cells have the tighter target
 
 
 def folder(file: str) -> str:
@@ -174,6 +175,8 @@ SWEEPS = tuple(SweepDef(split(f"{g}-pi{pi}") + EXTRA_FILES.get((g, pi), ()), "de
 ) + tuple(SweepDef((f"ps-ring-pi{pi}",), "deprl-t7", "ring", pi) for pi in PIS) + (
     SweepDef(("ps-smoke-ring-pi0.1", "ps-smoke-ring-pi0.1-ditto", "ps-smoke-ring-pi0.1-fedrod"), "deprl-t7-smoke",
              "ring", 0.1),
+    # the paper's model, on a lent GPU only (run_gpu.sh): the same Ring pi 0.1 cells with AlexNet
+    SweepDef(split("alexnet-ring-pi0.1"), "deprl-t1-alexnet", "ring", 0.1, "alexnet"),
 )
 
 CLAIMS_DIR = ROOT / "bench" / "reproduce" / "claims"
@@ -425,12 +428,13 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
         out.append({
             "table": sweep.table, "dataset": "fashion_mnist", "graph": sweep.graph, "pi": sweep.pi,
             "method": mdef.label, "case": case_name, "variant": mdef.variant, "rounds": rounds,
+            "model": sweep.model,
             "metric": METRIC_OF.get(case_name, PERSONALIZED), "ours_mean": _r(mean), "ours_std": _r(std),
             "seeds": [e.seed for e in done], "seeds_planned": list(seeds),
             "status": status(len(done), len(seeds)),
             "paper": paper, "paper_spread": spread,
             "paper_source": T7_SOURCE if case_name in PS_CASES else PAPER_SOURCE,
-            "vs_paper": vs_paper(mean, std, paper, spread),
+            "vs_paper": vs_paper(mean, std, paper, spread, sweep.model),
             "flattened": flat, "gain_last_20pct_rounds_pts": gain,
             "avg_model": {"metric": AVERAGED, "mean": _r(avg_mean), "std": _r(avg_std)},
             "wall_seconds_per_round": [_r(e.wall_seconds_per_round, 1) for e in done],
@@ -457,14 +461,17 @@ def distinguishable(a: tuple[float, float | None], b: tuple[float, float | None]
     return True
 
 
-def vs_paper(mean: float | None, std: float | None, paper: float, spread: float) -> str:
+def vs_paper(mean: float | None, std: float | None, paper: float, spread: float, model: str = "cnn_small") -> str:
+    """Ours against the paper, with issue 12's target for the model: 1.5 points with the paper's
+    (AlexNet), 4 with ``cnn_small``."""
     if mean is None:
         return NOT_RUN
     d = mean - paper
     if std is not None and abs(d) <= std + spread:
         return f"not distinguishable from the paper ({d:+.2f} pts)"
-    within = "within" if abs(d) <= TOLERANCE_CNN_SMALL else "outside"
-    return f"{d:+.2f} pts vs the paper: {within} the {TOLERANCE_CNN_SMALL:g}-point cnn_small target" + (
+    tol = TOLERANCE_PAPER_MODEL if model == "alexnet" else TOLERANCE_CNN_SMALL
+    within = "within" if abs(d) <= tol else "outside"
+    return f"{d:+.2f} pts vs the paper: {within} the {tol:g}-point {model} target" + (
         " (1 seed: no spread)" if std is None else "")
 
 
@@ -679,6 +686,32 @@ def table7_section(cells: list[dict[str, Any]]) -> list[str]:
     return doc
 
 
+def alexnet_section(cells: list[dict[str, Any]], ords: list[dict[str, Any]]) -> list[str]:
+    """The Ring pi 0.1 cells again with the paper's model (AlexNet, lent GPUs only), beside their cnn_small twins."""
+    doc = ["## DePRL Table 1 with the paper's model: AlexNet, Ring, π 0.1 (GPU cells)", "",
+           "The same partition, peers, batch and per-method protocols as the `cnn_small` Ring π 0.1 cells, with "
+           "the paper's AlexNet (its Table 5, 23.3 M parameters, Fashion-MNIST zero-padded to 32×32; "
+           "`table1/alexnet-ring-pi0.1*.yaml`). They run only on a lent GPU (`run_gpu.sh`, batched engine, IEEE "
+           "float32): a 128-peer AlexNet round of the epochs reading is days on this CPU. The pair says how much "
+           "of DePRL's gap to the paper is the model; the target here is 1.5 points.", ""]
+    alex = [c for c in cells if c["table"] == "deprl-t1-alexnet"]
+    small = {c["case"]: c for c in cells if c["table"] == "deprl-t1" and c["graph"] == "ring" and c["pi"] == 0.1}
+    rows = []
+    for c in alex:
+        twin = small.get(c["case"])
+        rows.append([c["method"], fmt(c), f"{c['paper']:.2f}±{c['paper_spread']:g}", c["vs_paper"],
+                     {True: "yes", False: "no", None: "—"}[c["flattened"]]
+                     + ("" if c["gain_last_20pct_rounds_pts"] is None else f" ({c['gain_last_20pct_rounds_pts']:+.2f})"),
+                     fmt(twin) if twin else NOT_RUN, c["status"], ", ".join(c.get("engines", [])) or "—"])
+    doc += md_table(["method", "ours, AlexNet (%)", "paper", "vs paper", "flattened (gain, last 20 %)",
+                     "ours, cnn_small (%)", "status", "engine (device)"], rows) + [""]
+    ran = [o for o in ords if o["table"] == "deprl-t1-alexnet" and o["result"] != NOT_RUN]
+    if ran:
+        doc += ["Orderings with AlexNet: " + "; ".join(f"{o['claim']} {o['diff_pts']:+.2f} pts: {o['result']}"
+                                                      for o in ran) + ".", ""]
+    return doc
+
+
 def discussion_text(out: Path) -> str:
     if out.is_file():
         m = re.search(re.escape(DISCUSSION_OPEN) + r"(.*?)" + re.escape(DISCUSSION_CLOSE), out.read_text(), re.S)
@@ -705,6 +738,7 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         "bench/reproduce/table1/run.sh smoke-ring-pi0.1 smoke-ring-pi0.1-seeds12   # the 10-round smoke variant",
         "bench/reproduce/table1/run.sh ps-ring-pi0.1 ps-ring-pi0.3 ps-ring-pi0.5     # FedAvg, FedRep, Ditto, FedRoD on Flower (Table 7)",
         "bench/reproduce/run_gpu.sh claims/dfedsam random-pi0.5   # on a lent GPU: the same cells, batched engine",
+        "bench/reproduce/run_gpu.sh alexnet-ring-pi0.1            # on a lent GPU: Ring π 0.1 with the paper's AlexNet",
         ".venv/bin/python bench/reproduce/results_md.py   # collect finished runs, write results.json/.md + plots",
         "```", "",
         "Each Table 1 column group (graph, π) is three sweep files under `bench/reproduce/table1/`, run in this order: "
@@ -735,7 +769,8 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         f"- Metric of every Table 1 number: {rules['metric']}. Also recorded per run (`avg_model.json`, column "
         f"\"x̄\"): {rules['averaged_metric']}, the DFedADMM / DFedSAM papers' metric.",
         f"- Verdicts: {rules['verdict']}. Targets (issue 12): {rules['targets']}.",
-        "- Model: `cnn_small` (80,202 parameters) instead of the paper's AlexNet; every number here carries that caveat.",
+        "- Model: `cnn_small` (80,202 parameters) instead of the paper's AlexNet; every number here carries that caveat "
+        "(the AlexNet cells, GPU only, have their own section).",
         "",
         "## DePRL Table 1 (Fashion-MNIST): ours / paper", "",
         "Each cell: ours = mean ± std over seeds of the final personalized accuracy (%) at round 100; paper = Table 1 "
@@ -774,6 +809,7 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         doc.append(f"No cell has all three methods finished: every ordering is {NOT_RUN}.")
     doc += [""]
 
+    doc += alexnet_section(cells, results["orderings"])
     doc += table7_section(cells)
     smoke = [c for c in cells if c["table"] in ("deprl-t1-smoke", "deprl-t7-smoke")]
     doc += ["## SMOKE variant: Ring, π = 0.1, 10 rounds (not the protocol)", "",
@@ -800,6 +836,8 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
                                and c["pi"] == pi],
                f"Table 1: {gl}, π={pi:g}, 128 peers, 100 rounds"
                + (" (+ PS baselines, Table 7)" if g == "ring" else "")) for g, gl in GRAPHS for pi in PIS],
+            ("alexnet-ring-pi0.1", [c for c in cells if c["table"] == "deprl-t1-alexnet"],
+             "Table 1 with AlexNet: Ring, π=0.1, 128 peers, 100 rounds"),
         ):
             p = plot(group, title, figdir / f"t1-{key}.png")
             if p:

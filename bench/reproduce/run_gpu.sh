@@ -11,7 +11,8 @@
 # many small steps leave a GPU mostly idle, so several share it), within DEADLINE seconds overall;
 # what finishes is collected as docs/results/runs evidence (results_md.collect: config, summary,
 # metrics, partition, the averaged model's accuracy from the final checkpoints) into
-# $OUT/gpu-evidence.tar.gz: untar it into docs/results/runs/ and run results_md.py --no-collect.
+# $OUT/gpu-evidence.tar.gz: untar it into docs/results/runs/ and run results_md.py --no-collect. Cells cut
+# off at the deadline come back as $OUT/gpu-partial.tar.gz (config and metrics so far: diagnostics only).
 # table1/run.sh skips a Table 1 sweep whose every cell finished here. Needs what bench/gpu_checks.sh
 # needs (.gpu/).
 #
@@ -95,4 +96,16 @@ runs, ev = Path("runs/reproduce").resolve(), Path("/tmp/gpu-evidence")
 for name in results_md.collect(runs, ev):
     print("collected", name)
 PYEOF
-tar czf "$OUT/gpu-evidence.tar.gz" -C /tmp/gpu-evidence . && ls -la "$OUT"
+mkdir -p /tmp/gpu-evidence
+tar czf "$OUT/gpu-evidence.tar.gz" -C /tmp/gpu-evidence .
+# cells cut off at the deadline: their config and metrics so far (no checkpoints: a lease's machine is gone
+# after it, and 128 peers' AlexNet state is 12 GB), so a partial curve still says where the cell was heading
+# (a diagnostic, never a table cell: results_md.py reads finished cells only)
+( cd runs/reproduce && find . -path '*-gpu/*/metrics.jsonl' | while read -r m; do
+    d=$(dirname "$m"); [ -f "$d/summary.json" ] || printf '%s\n%s\n' "$d/config.yaml" "$m"
+  done ) > /tmp/gpu-partial.list
+if [ -s /tmp/gpu-partial.list ]; then
+  tar czf "$OUT/gpu-partial.tar.gz" -C runs/reproduce -T /tmp/gpu-partial.list
+  echo "   cut-off cells' metrics so far: $(($(wc -l < /tmp/gpu-partial.list) / 2)) (gpu-partial.tar.gz)"
+fi
+ls -la "$OUT"
