@@ -15,10 +15,12 @@
 #   host.txt         batched_host.py: a vmapped step at 3 peers x batch 1 against 128 x 16 (how much of a
 #                    step is fixed per-step cost: launches, Python; whether CUDA graphs would pay)
 #   tf32.txt         batched_phases.py again with ``tf32: true`` (the default is IEEE float32): its cost
+#   idle*.txt        batched_idle.py: epoch phases on DePRL's pi 0.1 split, the live peers only against the
+#                    padded stack (idle: cnn_small; idle_alexnet: AlexNet, what its Table 1 cells cost)
 #   alexnet*.txt     the same two benchmarks with 128 AlexNet peers (alexnet_batched.txt: batched only,
 #                    with its peak host memory)
 #
-# STEPS="env pytest tf32" picks steps (default: every step but alexnet_batched).
+# STEPS="env pytest tf32" picks steps (default: every step but alexnet_batched, idle and idle_alexnet).
 # DEV=cpu PEERS=8 ROUNDS=3 bash bench/gpu_checks.sh   dry-runs the script itself on a CPU box.
 set -u
 OUT=${OUT:-./gpu-out}
@@ -62,5 +64,8 @@ fi
 step alexnet_phases 75 "$PY" bench/batched_phases.py --set device="$DEV" --set model.name=alexnet --rounds 4 "${peers[@]}"
 step alexnet 120 "$PY" bench/many_peers.py --engines batched,exact --set device="$DEV" --set model.name=alexnet \
   --rounds 4 --repeats 1 "${peers[@]}"
+step idle 90 "$PY" bench/batched_idle.py --set device="$DEV" --set data.partition.pi=0.1 --repeats 2 "${peers[@]}"
+step idle_alexnet 120 "$PY" bench/batched_idle.py --set device="$DEV" --set model.name=alexnet \
+  --set data.partition.pi=0.1 --blocks all,personal --repeats 1 "${peers[@]}"
 step alexnet_batched 90 "$PY" bench/many_peers.py --engines batched --set device="$DEV" --set model.name=alexnet \
   --rounds 4 --repeats 1 "${peers[@]}"
