@@ -157,6 +157,11 @@ class ConfigFile(Section):
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     simulation: SimulationConfig = Field(default_factory=SimulationConfig)
     eval_every: Annotated[int, Field(ge=1, le=10_000_000)] = 1
+    # Also evaluate each peer's model right after local training, before it mixes (records
+    # ``acc_pre_gossip``, ``loss_pre_gossip`` on the evaluated rounds). The round's accuracy (``acc``) is
+    # the post-gossip model's; DePRL's spec (004 §1.7 item 5) leaves which one the paper reports open and
+    # asks for both. Off by default: one more evaluation per evaluated round.
+    eval_pre_gossip: bool = False
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     mixing: MixingConfig = Field(default_factory=MixingConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
@@ -220,6 +225,7 @@ class ExperimentConfig:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     wire: WireConfig = field(default_factory=WireConfig)
     tf32: bool = False  # CUDA convolutions and matrix products in TF32 (see ConfigFile.tf32)
+    eval_pre_gossip: bool = False  # also evaluate before mixing (see ConfigFile.eval_pre_gossip)
 
     @property
     def algorithm_name(self) -> str:
@@ -435,6 +441,7 @@ def parse_config(data: dict[str, Any], base: Path | None = None, *, check_files:
         network=parsed.network, workers=parsed.simulation.workers, eval_every=parsed.eval_every,
         checkpoint_every=ck.every if ck.enabled else 0, raw=raw, simulation=parsed.simulation, checkpoint=ck,
         mixing=parsed.mixing, faults=parsed.faults, wire=parsed.wire, tf32=parsed.tf32,
+        eval_pre_gossip=parsed.eval_pre_gossip,
     )
 
 
@@ -461,6 +468,7 @@ def _parse_app_config(data: dict[str, Any], base: Path | None, check_files: bool
         network=parsed.network, workers=parsed.simulation.workers, eval_every=parsed.eval_every,
         checkpoint_every=ck.every if ck.enabled else 0, raw=raw, simulation=parsed.simulation, checkpoint=ck,
         mixing=parsed.mixing, faults=parsed.faults, wire=parsed.wire, tf32=parsed.tf32,
+        eval_pre_gossip=parsed.eval_pre_gossip,
     )
 
 

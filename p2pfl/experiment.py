@@ -200,5 +200,6 @@ class Experiment:
                     rounds=rounds or self.cfg.rounds, deadline_s=self.cfg.network.round_timeout_s, record=record,
                     eval_every=self.cfg.eval_every, checkpoint_path=ckpt, checkpoint_every=self.cfg.checkpoint_every,
                     stop=stop, on_round=on_round, quorum=self.cfg.network.quorum,
-                    protocol=self.protocol(peer_id), pipeline=self.pipeline(peer_id))
+                    protocol=self.protocol(peer_id), pipeline=self.pipeline(peer_id),
+                    eval_pre_gossip=self.cfg.eval_pre_gossip)
         return node

@@ -69,7 +69,8 @@ class Node:
                  record: Recorder, eval_every: int = 1, checkpoint_path: Path | None = None,
                  checkpoint_every: int = 1, stop: threading.Event | None = None,
                  on_round: Callable[[int], None] | None = None, quorum: float = 0.0,
-                 protocol: Protocol | None = None, pipeline: PayloadPipeline | None = None) -> None:
+                 protocol: Protocol | None = None, pipeline: PayloadPipeline | None = None,
+                 eval_pre_gossip: bool = False) -> None:
         self.peer_id = peer_id
         self.topology = topology
         self.topology_hash = topology.hash()
@@ -87,6 +88,7 @@ class Node:
         self.deadline_s = deadline_s
         self.record = record
         self.eval_every = eval_every
+        self.eval_pre_gossip = eval_pre_gossip
         self.checkpoint_path = checkpoint_path
         self.checkpoint_every = checkpoint_every
         self.stop = stop or threading.Event()
@@ -174,6 +176,10 @@ class Node:
         return (plan.mode == "push" and self._short and self.transport.can_withhold
                 and MU in self.state.scalars and float(self.state.scalars[MU]) < MU_FLOOR)
 
+    def _evaluated(self, r: int) -> bool:
+        """Whether round ``r`` is evaluated: every ``eval_every`` rounds and the last."""
+        return (r + 1) % self.eval_every == 0 or r + 1 == self.rounds
+
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> PeerState:
         while self.state.round < self.rounds and not self.stop.is_set():
@@ -192,6 +198,11 @@ class Node:
             ctx = TrainContext(model, self.layout, self.app.data, self.generator, self.state.params.device)
             train_metrics = self.algorithm.local_update(self.state, ctx, r)
             t_train = time.perf_counter() - t_start
+            pre_gossip: dict[str, float] = {}
+            if self.eval_pre_gossip and self._evaluated(r):  # the model as trained, before it mixes
+                self.layout.bind(model, self.state.params)
+                ev = self.app.evaluate(model)
+                pre_gossip = {f"{k}_pre_gossip": ev[k] for k in ("acc", "loss") if k in ev}
         if self.protocol.slowdown > 1.0:  # experiments only: a peer made this many times slower
             self.transport.sleep((self.protocol.slowdown - 1.0) * t_train)
 
@@ -266,11 +277,12 @@ class Node:
 
         self.state.round = r + 1
         rec: dict[str, Any] = {"round": r, "peer": self.peer_id}
-        if (r + 1) % self.eval_every == 0 or r + 1 == self.rounds:
+        if self._evaluated(r):
             with self.models.borrow((r, 1, self.topology.index(self.peer_id))) as model:
                 self.layout.bind(model, self.state.params)
                 ev = self.app.evaluate(model)
             rec.update({k: v for k, v in ev.items() if k != "num_examples"})  # acc, loss (+ a ClientApp's own)
+            rec.update(pre_gossip)
         rec.update({k: v for k, v in train_metrics.items() if isinstance(v, int | float)})
         rec.update(bytes_sent=sent, bytes_recv=recv,
                    consensus_dist=consensus, missing=sorted(missing), train_seconds=t_train,

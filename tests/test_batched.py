@@ -208,6 +208,35 @@ def test_the_vmapped_path_computes_only_the_peers_still_in_their_epoch(tmp_path:
     assert min(rows1) < PEERS and sum(rows1) < sum(rows0)  # compacted: the live peers only
 
 
+@pytest.mark.timeout(180)
+def test_the_model_before_gossip_is_evaluated_alike_in_both_engines(tmp_path: Path) -> None:
+    """``eval_pre_gossip``: each evaluated round also records the model as local training left it, before
+    it mixes (DePRL spec 004 §1.7 item 5: log the other one too). Both engines record it alike; it is not
+    the post-gossip number (DePRL's head was fit to the body before mixing), and off, it is absent."""
+    algorithm = {"name": "deprl", "tau": 2, "tau_unit": "epochs", "rep_steps": 1, "rep_unit": "epochs",
+                 "lr_head": 0.1, "lr_body": 0.1}
+    runs = {}
+    for engine in ("exact", "batched"):
+        folder = tmp_path / engine
+        folder.mkdir()
+        path = _config(folder, algorithm, engine)
+        cfg = load_config(path, ["eval_pre_gossip=true"])
+        simulate(cfg, folder / "run", progress=False)
+        runs[engine] = {(r["round"], r["peer"]): r for r in
+                        map(json.loads, (folder / "run" / "metrics.jsonl").read_text().splitlines())}
+    assert runs["exact"].keys() == runs["batched"].keys() and len(runs["exact"]) == 3 * PEERS
+    for key, e in runs["exact"].items():
+        b = runs["batched"][key]
+        assert {"acc_pre_gossip", "loss_pre_gossip"} <= set(e) and set(e) == set(b)
+        assert abs(e["acc_pre_gossip"] - b["acc_pre_gossip"]) <= 0.02
+        assert b["loss_pre_gossip"] == pytest.approx(e["loss_pre_gossip"], rel=1e-4)
+    assert any(abs(r["loss_pre_gossip"] - r["loss"]) > 1e-4 for r in runs["exact"].values())
+    off = tmp_path / "off"
+    off.mkdir()
+    _, recs = _run(off, algorithm, "exact", False)
+    assert not any("acc_pre_gossip" in r for r in recs)
+
+
 def test_engine_key_is_checked(tmp_path: Path) -> None:
     path = tiny_config(tmp_path, simulation={"workers": 1, "engine": "vectorized"})
     with pytest.raises(ConfigError, match="engine"):

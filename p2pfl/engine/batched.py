@@ -124,10 +124,12 @@ class BatchedSimulation:
         train = self.algorithm.local_update(self.state, self.ctx, r)
         self._sync()
         t_train = time.perf_counter() - t0
-        traffic = self.gossip(r)
-        self.state.round = r + 1
         total_rounds = self.cfg.rounds
         evaluated = (r + 1) % self.cfg.eval_every == 0 or r + 1 == total_rounds
+        # the models as trained, before they mix (Node.run_round's eval_pre_gossip)
+        pre = self.ctx.evaluate() if evaluated and self.cfg.eval_pre_gossip else None
+        traffic = self.gossip(r)
+        self.state.round = r + 1
         loss, acc = self.ctx.evaluate() if evaluated else (None, None)
         seconds = time.perf_counter() - t0
         recs = []
@@ -136,6 +138,8 @@ class BatchedSimulation:
         per_peer: dict[str, list[float]] = {}
         if evaluated:
             per_peer.update(acc=acc.tolist(), loss=loss.tolist())
+        if pre is not None:
+            per_peer.update(acc_pre_gossip=pre[1].tolist(), loss_pre_gossip=pre[0].tolist())
         for k, v in train.items():
             if isinstance(v, torch.Tensor):
                 per_peer[k] = v.tolist() if v.dim() else [float(v)] * P
