@@ -70,8 +70,8 @@ def _active(live: list[bool], device: torch.device) -> Tensor | None:
 
 
 def _live_rows(live: list[bool], device: torch.device) -> tuple[Tensor, list[int]] | None:
-    """The indices of the live peers (on ``device``, and as a list) when compacting pays, else None:
-    every peer is live (nothing to drop) or compaction is off."""
+    """The indices of the live peers (on ``device``, and as a list), or None when every peer is live
+    (nothing to drop) or compaction is off."""
     if not COMPACT or all(live):
         return None
     ids = [i for i, v in enumerate(live) if v]
