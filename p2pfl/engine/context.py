@@ -134,6 +134,16 @@ class _Rows:
         y = self.y.index_select(0, flat).reshape(len(positions), width)
         return x, y, _h2d(w, self.device)
 
+    def gather_live(self, positions: list[Tensor | None], width: int,
+                    compact: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """``gather`` of the live peers only (those with positions) when ``compact`` and some peer is
+        idle, with their indices (on the device) as the fourth item; else every peer's, and None."""
+        sel = _live_rows([p is not None for p in positions], self.device) if compact else None
+        if sel is None:
+            return (*self.gather(positions, width), None)
+        rows, ids = sel
+        return (*self.gather([positions[i] for i in ids], width, ids), rows)
+
 
 class BatchedContext:
     """Train and evaluate a stack of peers whose parameters are the rows of ``flat``."""
@@ -258,13 +268,10 @@ class BatchedContext:
         for start in range(0, max(counts, default=0), width):
             positions: list[Tensor | None] = [
                 torch.arange(start, min(n, start + width)) if start < n else None for n in counts]
-            sel = _live_rows([p is not None for p in positions], self.device)
-            if sel is None:
-                x, y, w = self._test.gather(positions, width)
+            x, y, w, rows = self._test.gather_live(positions, width, compact=True)
+            if rows is None:
                 logits = batched_forward(params, x)
             else:  # peers whose test split ended: not computed (zero weight either way)
-                rows, ids = sel
-                x, y, w = self._test.gather([positions[i] for i in ids], width, ids)
                 logits = batched_forward(_select(params, rows), x)
                 logits, y, w = (_spread(t, rows, self.num_peers) for t in (logits, y, w))
             ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(w)
@@ -320,19 +327,17 @@ class BatchedContext:
             live = [p is not None for p in positions]
             active = _active(live, self.device)
             width = max(int(p.numel()) for p in positions if p is not None)
-            sel = _live_rows(live, self.device) if self.vectorize else None
-            if sel is None:
-                x, y, w = self._train.gather(positions, width)
+            x, y, w, rows = self._train.gather_live(positions, width, compact=self.vectorize)
+            if rows is None:
 
                 def grad_at(params: dict[str, Tensor], x: Tensor = x, y: Tensor = y, w: Tensor = w):
                     return self._grad(params, frozen, x, y, w)
             else:  # the live peers' minibatches and parameters only; idle rows get zero gradients
-                rows, ids = sel
-                x, y, w = self._train.gather([positions[i] for i in ids], width, ids)
+                fro = _select(frozen, rows)  # once per step (SAM takes a second gradient)
 
                 def grad_at(params: dict[str, Tensor], x: Tensor = x, y: Tensor = y, w: Tensor = w,
-                            rows: Tensor = rows):
-                    grads, loss = self._grad(_select(params, rows), _select(frozen, rows), x, y, w)
+                            rows: Tensor = rows, fro: dict[str, Tensor] = fro):
+                    grads, loss = self._grad(_select(params, rows), fro, x, y, w)
                     n = self.num_peers
                     return {k: _spread(g, rows, n) for k, g in grads.items()}, _spread(loss, rows, n)
 
@@ -372,13 +377,10 @@ class BatchedContext:
         feats, labels = [], []
         for start in range(0, width, chunk):
             positions: list[Tensor | None] = [n[start : start + chunk] if start < n.numel() else None for n in needed]
-            sel = _live_rows([p is not None for p in positions], self.device) if self.vectorize else None
-            if sel is None:
-                x, y, _ = self._train.gather(positions, min(chunk, width - start))
+            x, y, _, rows = self._train.gather_live(positions, min(chunk, width - start), compact=self.vectorize)
+            if rows is None:
                 feats.append(self._represent(params, x))
             else:  # peers whose needed samples ended get zero rows, never read (their weight is 0)
-                rows, ids = sel
-                x, y, _ = self._train.gather([positions[i] for i in ids], min(chunk, width - start), ids)
                 feats.append(_spread(self._represent(_select(params, rows), x), rows, self.num_peers))
                 y = _spread(y, rows, self.num_peers)
             labels.append(y)
