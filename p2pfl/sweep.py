@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import fcntl
+import fnmatch
 import hashlib
 import json
 import os
@@ -46,7 +47,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -117,7 +118,7 @@ class Cell:
 @dataclass
 class CellResult:
     cell: Cell
-    status: str  # finished (earlier) | done (now) | failed | interrupted | pending | planned
+    status: str  # finished (earlier) | done (now) | failed | interrupted | pending | planned | unselected
     error: str | None = None
     seconds: float | None = None
     found: str = "new"  # what was in its folder before: new | finished | interrupted | stale (see cell_state)
@@ -558,22 +559,43 @@ class _Running:
     slot: int = 0
 
 
+def select_cells(cells: list[Cell], only: Sequence[str] | None) -> set[str]:
+    """The names of the cells to run: those matching any ``only`` glob (``fnmatch`` on the cell's
+    folder name, e.g. ``dpsgd__*`` or ``*seed=1``), every cell when ``only`` is empty. A pattern that
+    matches no cell is a typo, refused before anything runs (it would otherwise run nothing, quietly)."""
+    if not only:
+        return {c.name for c in cells}
+    chosen: set[str] = set()
+    for pattern in only:
+        hits = {c.name for c in cells if fnmatch.fnmatchcase(c.name, pattern)}
+        if not hits:
+            shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
+            raise SweepError(f"--only {shown!r}: matches none of the sweep's {len(cells)} cells "
+                             f"(e.g. {cells[0].name})" if cells else f"--only {shown!r}: the sweep has no cells")
+        chosen |= hits
+    return chosen
+
+
 def run_sweep(spec: SweepSpec, out: Path | None = None, *, jobs: int = 1, dry_run: bool = False,
-              progress: bool = True, cores: int | None = None) -> SweepResult:
+              progress: bool = True, cores: int | None = None, only: Sequence[str] | None = None) -> SweepResult:
     """Plan, validate and run (or resume) a sweep; see the module docstring.
 
+    ``only``: globs on cell names; the other cells are neither run nor touched (status ``unselected``
+    unless already finished), so one cell of a sweep (a seed cut off on a lent GPU, say) can be run
+    alone into the sweep's folder, where a later full run counts it as finished.
     Returns every cell's status; the caller decides the exit code (any failed cell: 1).
     KeyboardInterrupt stops the running cells (their folders stay without a summary, so the next
     invocation reruns them), records them as interrupted and propagates.
     """
     jobs = max(1, int(jobs))
     cells = plan_cells(spec, jobs=jobs, cores=cores)
+    chosen = select_cells(cells, only)
     out = Path(out) if out is not None else default_out(spec)
     with contextlib.ExitStack() as held:
         if not dry_run:
             out.mkdir(parents=True, exist_ok=True)
             held.enter_context(_folder_lock(out))  # before reading the cells' states: they decide what runs
-        return _run_cells(spec, cells, out, jobs=jobs, dry_run=dry_run, progress=progress)
+        return _run_cells(spec, cells, out, jobs=jobs, dry_run=dry_run, progress=progress, chosen=chosen)
 
 
 @contextlib.contextmanager
@@ -590,18 +612,24 @@ def _folder_lock(out: Path) -> Iterator[None]:
 
 
 def _run_cells(spec: SweepSpec, cells: list[Cell], out: Path, *, jobs: int, dry_run: bool,
-               progress: bool) -> SweepResult:
+               progress: bool, chosen: set[str]) -> SweepResult:
     result = SweepResult(out=out)
     states = {c.name: cell_state(out / c.name, c.config) for c in cells}
     for c in cells:
-        status = "finished" if states[c.name] == "finished" else ("planned" if dry_run else "pending")
+        if states[c.name] == "finished":
+            status = "finished"
+        elif c.name not in chosen:
+            status = "unselected"
+        else:
+            status = "planned" if dry_run else "pending"
         result.cells.append(CellResult(c, status, found=states[c.name]))
     if dry_run:
         return result
 
     write_index(out, spec, result.cells, jobs)
     todo = deque(r for r in result.cells if r.status == "pending")
-    bar, task = _progress(progress, len(cells), len(cells) - len(todo))
+    total = sum(1 for r in result.cells if r.status != "unselected")
+    bar, task = _progress(progress, total, total - len(todo))
     running: list[_Running] = []
     slots = core_slots(jobs)
     try:

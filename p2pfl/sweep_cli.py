@@ -22,6 +22,8 @@ def sweep_command(
     jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, help="cells run in parallel (one process each)")] = 1,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="validate and list the cells; run nothing")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")] = False,
+    only: Annotated[list[str] | None, typer.Option(
+        "--only", help="run only the cells whose name matches this glob (repeatable), e.g. 'dpsgd__seed=1'")] = None,
 ) -> None:
     """Run every cell of SWEEP_FILE (base config x cases x grid), resuming what is already done."""
     from p2pfl.sweep import SweepError, default_out, load_sweep, run_sweep, stoppable
@@ -29,7 +31,7 @@ def sweep_command(
     stoppable()  # kill -TERM (or -INT, even in the background) stops the cells cleanly, resumable
     try:
         spec = load_sweep(sweep_file)
-        result = run_sweep(spec, out, jobs=jobs, dry_run=dry_run, progress=not quiet)
+        result = run_sweep(spec, out, jobs=jobs, dry_run=dry_run, progress=not quiet, only=only)
     except SweepError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None  # bad input: nothing ran
@@ -37,18 +39,21 @@ def sweep_command(
         typer.echo("interrupted: rerun the same command to resume", err=True)
         raise typer.Exit(130) from None
     folder = out or default_out(spec)
-    stale = [r.cell.name for r in result.cells if r.found == "stale"]
+    stale = [r.cell.name for r in result.cells if r.found == "stale" and r.status != "unselected"]
     if dry_run:
         _print_cells(result, len(spec.overrides))
         todo = sum(1 for r in result.cells if r.status == "planned")
-        typer.echo(f"{len(result.cells)} cells, {len(result.cells) - todo} already finished, {todo} to run "
+        finished = result.count("finished")
+        typer.echo(f"{len(result.cells)} cells, {finished} already finished, {todo} to run "
                    f"into {folder}" + (f" ({len(stale)} finished with another config would be rerun)" if stale else ""))
         return
     if stale:
         typer.echo(f"note: reran {len(stale)} cells whose saved config differed from the sweep: {', '.join(stale)}",
                    err=True)
+    left = result.count("unselected")
     typer.echo(f"{len(result.cells)} cells: {result.count('done')} run now, {result.count('finished')} already "
-               f"finished, {len(result.failed)} failed; folder {folder} (index: sweep.json)")
+               f"finished, {len(result.failed)} failed" + (f", {left} not selected by --only" if left else "")
+               + f"; folder {folder} (index: sweep.json)")
     if result.failed:
         for r in result.failed:
             typer.echo(f"failed: {r.cell.name}: {r.error} (see {folder / r.cell.name / 'error.txt'})", err=True)

@@ -343,3 +343,35 @@ def test_a_second_sweep_into_the_same_folder_is_refused_before_it_runs(tmp_path:
             run_sweep(spec, out, progress=False)
         assert sorted(p.name for p in out.iterdir()) == [".sweep.lock"]
         assert run_sweep(spec, out, dry_run=True, progress=False).cells  # a dry run only reads
+
+
+@pytest.mark.timeout(300)
+def test_only_runs_the_selected_cells_and_leaves_the_others_alone(tmp_path: Path) -> None:
+    """``--only`` runs one cell of a sweep into its folder (a seed cut off elsewhere, say); the other
+    cells, even an interrupted one, are not touched, and a later full run counts the cell finished."""
+    tiny_config(tmp_path, rounds=2)
+    sweep = _write_sweep(tmp_path, set=["rounds=2"], cases=[{"name": "local", "set": ["algorithm.name=local"]},
+                                                            {"name": "dfedavg", "set": ["algorithm.name=dfedavg"]}],
+                         grid={"seed": [1, 2]})
+    out = tmp_path / "out"
+    (out / "local__seed=2").mkdir(parents=True)
+    (out / "local__seed=2" / "junk.txt").write_text("an interrupted attempt")
+    res = CliRunner().invoke(_app(), ["sweep", str(sweep), "--out", str(out), "-q", "--only", "dfedavg__seed=1"])
+    assert res.exit_code == 0, res.output
+    assert "1 run now" in res.output and "3 not selected by --only" in res.output
+    assert (out / "dfedavg__seed=1" / "summary.json").is_file()
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["dfedavg__seed=1", "local__seed=2"]
+    assert (out / "local__seed=2" / "junk.txt").is_file()  # unselected: not cleaned, not rerun
+    index = {c["name"]: c["status"] for c in json.loads((out / "sweep.json").read_text())["cells"]}
+    assert index == {"local__seed=1": "unselected", "local__seed=2": "unselected",
+                     "dfedavg__seed=1": "done", "dfedavg__seed=2": "unselected"}
+    # two globs select their union; the finished cell stays finished
+    dry = run_sweep(load_sweep(sweep), out, dry_run=True, only=["dfedavg__*", "*seed=1"])
+    assert {r.cell.name: r.status for r in dry.cells} == {
+        "local__seed=1": "planned", "local__seed=2": "unselected", "dfedavg__seed=1": "finished",
+        "dfedavg__seed=2": "planned"}
+    # a glob that matches nothing is a typo: refused (exit 2), nothing written
+    before = (out / "sweep.json").read_text()
+    bad = CliRunner().invoke(_app(), ["sweep", str(sweep), "--out", str(out), "-q", "--only", "dpsgd__*"])
+    assert bad.exit_code == 2 and "--only 'dpsgd__*': matches none of the sweep's 4 cells" in bad.output
+    assert (out / "sweep.json").read_text() == before
