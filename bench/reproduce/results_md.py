@@ -693,7 +693,9 @@ def alexnet_section(cells: list[dict[str, Any]], ords: list[dict[str, Any]]) -> 
            "the paper's AlexNet (its Table 5, 23.3 M parameters, Fashion-MNIST zero-padded to 32×32; "
            "`table1/alexnet-ring-pi0.1*.yaml`). They run only on a lent GPU (`run_gpu.sh`, batched engine, IEEE "
            "float32): a 128-peer AlexNet round of the epochs reading is days on this CPU. The pair says how much "
-           "of DePRL's gap to the paper is the model; the target here is 1.5 points.", ""]
+           "of DePRL's gap to the paper is the model; the target here is 1.5 points. A cell cut off at a lease's "
+           "deadline is not a cell here; its curve so far is a diagnostic under `docs/results/diagnostics/` "
+           "(`alexnet-partial/`: DePRL seed 0 to round 47).", ""]
     alex = [c for c in cells if c["table"] == "deprl-t1-alexnet"]
     small = {c["case"]: c for c in cells if c["table"] == "deprl-t1" and c["graph"] == "ring" and c["pi"] == 0.1}
     rows = []
