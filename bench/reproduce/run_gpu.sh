@@ -38,7 +38,7 @@ left=$((DEADLINE - SECONDS - 45))  # 45 s kept for collecting the evidence
     sleep 5
   done ) > "$OUT/utilization.csv" &
 sampler=$!
-pids=()
+pids=() names=()
 for arg in "$@"; do
   # SWEEP:GLOB[,GLOB...] runs only the sweep's cells whose names match (p2pfl sweep --only), e.g.
   # random-pi0.1-seeds12:dpsgd__seed=1 (a cell cut off at the last lease's deadline)
@@ -63,7 +63,7 @@ PYEOF
   echo "== $(date -u +%T) $name (${left}s left, $JOBS jobs)"
   timeout -k 20 "$left" "$PY" -m p2pfl.cli sweep "$file" --out "runs/reproduce/$name" --jobs "$JOBS" \
     --quiet "${only[@]}" >"$OUT/$name.log" 2>&1 &
-  pids+=($!)
+  pids+=($!) names+=("$name")
 done
 for i in "${!pids[@]}"; do
   wait "${pids[$i]}"; rc=$?
@@ -73,14 +73,14 @@ kill "$sampler" 2>/dev/null
 awk -F, '{n++; load+=$2; cores=$3; if ($4 != "") {g++; util+=$4}}
   END {if (n) printf "   host load %.1f on %d cores, GPU utilization %s (mean of %d samples, utilization.csv)\n",
        load/n, cores, (g ? sprintf("%.0f%%", util/g) : "not read"), n}' "$OUT/utilization.csv"
-for d in runs/reproduce/*-gpu; do
-  echo "   $d: $(ls "$d"/*/summary.json 2>/dev/null | wc -l) cells finished"
+for n in "${names[@]}"; do
+  echo "   runs/reproduce/$n: $(ls runs/reproduce/"$n"/*/summary.json 2>/dev/null | wc -l) cells finished"
 done
 # how far every cell got (finished or cut off at the deadline), so the next lease can be planned
-"$PY" - > "$OUT/progress.txt" <<'PYEOF'
-import json
+"$PY" - "${names[@]}" > "$OUT/progress.txt" <<'PYEOF'
+import json, sys
 from pathlib import Path
-for cell in sorted(Path("runs/reproduce").glob("*-gpu/*/config.yaml")):
+for cell in sorted(c for n in sys.argv[1:] for c in Path("runs/reproduce", n).glob("*/config.yaml")):
     d = cell.parent
     rounds = [json.loads(l)["round"] + 1 for l in (d / "metrics.jsonl").read_text().splitlines()] \
         if (d / "metrics.jsonl").is_file() else []
@@ -91,26 +91,29 @@ for cell in sorted(Path("runs/reproduce").glob("*-gpu/*/config.yaml")):
           f"{summ.get('wall_seconds', span):.0f} s")
 PYEOF
 cat "$OUT/progress.txt"
-# every finished cell under runs/reproduce: on a lent machine, this run's
-"$PY" - <<'PYEOF'
+# the finished cells of the sweeps named here, into a fresh folder: a lent machine may come back with an
+# earlier lease's runs/ and /tmp, whose cells must not return as this run's evidence
+EV=$(mktemp -d)
+"$PY" - "$EV" <<'PYEOF'
 import sys
 from pathlib import Path
 sys.path.insert(0, "bench/reproduce")
 import results_md
-runs, ev = Path("runs/reproduce").resolve(), Path("/tmp/gpu-evidence")
+runs, ev = Path("runs/reproduce").resolve(), Path(sys.argv[1])
 for name in results_md.collect(runs, ev):
     print("collected", name)
 PYEOF
-mkdir -p /tmp/gpu-evidence
-tar czf "$OUT/gpu-evidence.tar.gz" -C /tmp/gpu-evidence .
+ours=()
+for n in "${names[@]}"; do [ -d "$EV/$n" ] && ours+=("$n"); done
+tar czf "$OUT/gpu-evidence.tar.gz" -C "$EV" -T /dev/null "${ours[@]}"
 # cells cut off at the deadline: their config and metrics so far (no checkpoints: a lease's machine is gone
 # after it, and 128 peers' AlexNet state is 12 GB), so a partial curve still says where the cell was heading
 # (a diagnostic, never a table cell: results_md.py reads finished cells only)
-( cd runs/reproduce && find . -path '*-gpu/*/metrics.jsonl' | while read -r m; do
+( cd runs/reproduce && find "${names[@]}" -path '*/metrics.jsonl' 2>/dev/null | while read -r m; do
     d=$(dirname "$m"); [ -f "$d/summary.json" ] || printf '%s\n%s\n' "$d/config.yaml" "$m"
-  done ) > /tmp/gpu-partial.list
-if [ -s /tmp/gpu-partial.list ]; then
-  tar czf "$OUT/gpu-partial.tar.gz" -C runs/reproduce -T /tmp/gpu-partial.list
-  echo "   cut-off cells' metrics so far: $(($(wc -l < /tmp/gpu-partial.list) / 2)) (gpu-partial.tar.gz)"
+  done ) > $EV.partial
+if [ -s $EV.partial ]; then
+  tar czf "$OUT/gpu-partial.tar.gz" -C runs/reproduce -T $EV.partial
+  echo "   cut-off cells' metrics so far: $(($(wc -l < $EV.partial) / 2)) (gpu-partial.tar.gz)"
 fi
 ls -la "$OUT"
