@@ -69,4 +69,6 @@ def test_run_gpu_runs_only_the_selected_cell_and_returns_its_evidence(tmp_path: 
             "t1-random-pi0.1-seeds12-gpu/dpsgd__seed=1/config.yaml"} <= names
     assert not any("checkpoints" in n for n in names)
     assert not any(n.startswith("t1-random-pi0.5") for n in names)  # the stale cell stayed behind
+    assert "collected t1-random-pi0.1-seeds12-gpu/dpsgd__seed=1" in proc.stdout
+    assert "collected t1-random-pi0.5" not in proc.stdout
     assert not (out / "gpu-partial.tar.gz").exists()  # nothing was cut off

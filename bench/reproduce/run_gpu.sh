@@ -94,14 +94,15 @@ cat "$OUT/progress.txt"
 # the finished cells of the sweeps named here, into a fresh folder: a lent machine may come back with an
 # earlier lease's runs/ and /tmp, whose cells must not return as this run's evidence
 EV=$(mktemp -d)
-"$PY" - "$EV" <<'PYEOF'
+"$PY" - "$EV" "${names[@]}" <<'PYEOF'
 import sys
 from pathlib import Path
 sys.path.insert(0, "bench/reproduce")
 import results_md
-runs, ev = Path("runs/reproduce").resolve(), Path(sys.argv[1])
+runs, ev, ours = Path("runs/reproduce").resolve(), Path(sys.argv[1]), set(sys.argv[2:])
 for name in results_md.collect(runs, ev):
-    print("collected", name)
+    if name.split("/")[0] in ours:
+        print("collected", name)
 PYEOF
 ours=()
 for n in "${names[@]}"; do [ -d "$EV/$n" ] && ours+=("$n"); done
@@ -111,9 +112,9 @@ tar czf "$OUT/gpu-evidence.tar.gz" -C "$EV" -T /dev/null "${ours[@]}"
 # (a diagnostic, never a table cell: results_md.py reads finished cells only)
 ( cd runs/reproduce && find "${names[@]}" -path '*/metrics.jsonl' 2>/dev/null | while read -r m; do
     d=$(dirname "$m"); [ -f "$d/summary.json" ] || printf '%s\n%s\n' "$d/config.yaml" "$m"
-  done ) > $EV.partial
-if [ -s $EV.partial ]; then
-  tar czf "$OUT/gpu-partial.tar.gz" -C runs/reproduce -T $EV.partial
-  echo "   cut-off cells' metrics so far: $(($(wc -l < $EV.partial) / 2)) (gpu-partial.tar.gz)"
+  done ) > "$EV.partial"
+if [ -s "$EV.partial" ]; then
+  tar czf "$OUT/gpu-partial.tar.gz" -C runs/reproduce -T "$EV.partial"
+  echo "   cut-off cells' metrics so far: $(($(wc -l < "$EV.partial") / 2)) (gpu-partial.tar.gz)"
 fi
 ls -la "$OUT"
