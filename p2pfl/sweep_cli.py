@@ -43,9 +43,10 @@ def sweep_command(
     if dry_run:
         _print_cells(result, len(spec.overrides))
         todo = sum(1 for r in result.cells if r.status == "planned")
-        finished = result.count("finished")
+        finished, left = result.count("finished"), result.count("unselected")
         typer.echo(f"{len(result.cells)} cells, {finished} already finished, {todo} to run "
-                   f"into {folder}" + (f" ({len(stale)} finished with another config would be rerun)" if stale else ""))
+                   f"into {folder}" + (f" ({len(stale)} finished with another config would be rerun)" if stale else "")
+                   + (f", {left} not selected by --only" if left else ""))
         return
     if stale:
         typer.echo(f"note: reran {len(stale)} cells whose saved config differed from the sweep: {', '.join(stale)}",
