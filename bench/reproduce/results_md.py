@@ -299,12 +299,15 @@ def _unpack(cell: Path, dst: Path) -> None:
             part.replace(dst / gz)
 
 
-def collect(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
-    """Copy every finished cell of the planned sweeps into ``evidence``; return the cells copied now."""
+def collect(runs: Path, evidence: Path = EVIDENCE, sweeps: set[str] | None = None) -> list[str]:
+    """Copy every finished cell of the planned sweeps (of those named in ``sweeps``, when given) into
+    ``evidence``; return the cells copied now."""
     from p2pfl.report import ReportError, averaged_model_accuracy
 
     copied = []
     for name, cell in _finished_cells(runs):
+        if sweeps is not None and name not in sweeps:
+            continue
         dst = evidence / name / cell.name
         if (dst / "summary.json").is_file() and (dst / "summary.json").read_bytes() == \
                 (cell / "summary.json").read_bytes():
