@@ -170,3 +170,14 @@ def test_the_paper_model_has_the_tighter_target() -> None:
         for f in sweep.files:
             spec = yaml.safe_load((rmd.TABLE1_DIR / f"{f}.yaml").read_text())
             assert spec["set"]["model.name"] == "alexnet" and spec["set"]["data.partition.pi"] == 0.1
+
+
+def test_a_run_folders_final_is_rounded_once_as_in_the_cell_tables() -> None:
+    """A curve point is stored to 3 decimals; formatting that again to 2 rounds twice (87.06503 -> 87.065 ->
+    '87.06'), where the cell tables show the final rounded once (87.07)."""
+    e = rmd.Evidence(seed=0, path="docs/results/runs/s/dpsgd__seed=0", curve=[(99, 0.8706503)], final=0.8706503,
+                     rounds=100, avg_model_acc=None, wall_seconds_per_round=9.0)
+    cell = {"table": "deprl-t1", "method": "D-PSGD", "runs": [e.path], "wall_seconds_per_round": [9.0],
+            "curves": {"0": [[100, round(100 * e.final, 3)]]}, "finals": {"0": rmd._r(100 * e.final)}}
+    assert f"{cell['curves']['0'][-1][1]:.2f}" == "87.06"  # the double rounding this guards against
+    assert rmd.run_folder_rows([cell]) == [[f"`{e.path}`", "deprl-t1", "D-PSGD", "87.07", "9.0"]]

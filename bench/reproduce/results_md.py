@@ -447,6 +447,8 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
                if case_name in PS_CASES else {}),
             "runs": [e.path for e in done],
             "curves": {str(e.seed): [[r + 1, round(100 * a, 3)] for r, a in e.curve] for e in done},
+            # each seed's final accuracy rounded once (a curve point is already rounded to 3 decimals)
+            "finals": {str(e.seed): _r(100 * e.final) for e in done},
             "sweep_files": [f"bench/reproduce/table1/{f}.yaml" for f in sweep.files],
         })
     return out
@@ -739,22 +741,23 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         f"\"{NOT_RUN}\". DePRL Table 1: {done_main} of {len(main)} cells have at least one finished seed._", "",
         "## How the runs are made", "",
         "```bash",
-        "bench/reproduce/table1/run.sh                    # Ring, Table 7 (Flower), then Random, then FC; resumable",
+        "bench/reproduce/table1/run.sh                    # Ring, DFedSAM's claim, Table 7 (Flower), Random, FC, the other claims; resumable",
         "bench/reproduce/table1/run.sh smoke-ring-pi0.1 smoke-ring-pi0.1-seeds12   # the 10-round smoke variant",
         "bench/reproduce/table1/run.sh ps-ring-pi0.1 ps-ring-pi0.3 ps-ring-pi0.5     # FedAvg, FedRep, Ditto, FedRoD on Flower (Table 7)",
-        "bench/reproduce/run_gpu.sh claims/dfedsam random-pi0.5   # on a lent GPU: the same cells, batched engine",
-        "bench/reproduce/run_gpu.sh alexnet-ring-pi0.1            # on a lent GPU: Ring π 0.1 with the paper's AlexNet",
+        "bash bench/reproduce/run_gpu.sh claims/dfedsam random-pi0.5   # on a lent GPU: the same cells, batched engine",
+        "bash bench/reproduce/run_gpu.sh alexnet-ring-pi0.1            # on a lent GPU: Ring π 0.1 with the paper's AlexNet",
         ".venv/bin/python bench/reproduce/results_md.py   # collect finished runs, write results.json/.md + plots",
         "```", "",
         "Each Table 1 column group (graph, π) is three sweep files under `bench/reproduce/table1/`, run in this order: "
         "`<graph>-pi<π>.yaml` DePRL (epochs reading), seeds 0, 1, 2; `<graph>-pi<π>-seed0.yaml` seed 0 of D-PSGD, the "
         "literal DePRL and DisPFL (cheapest first); `<graph>-pi<π>-seeds12.yaml` their seeds 1 and 2. So one seed of every "
-        "method lands before more seeds of any. An interrupted cell continues from the last round every "
+        "baseline lands before more seeds of any (DePRL, the table's subject, runs its three first). An interrupted cell continues from the last round every "
         "peer checkpointed (`p2pfl/resume.py`). The code runs from a snapshot of one commit (`runs/reproduce/code-<sha>`). "
         "Within a commit simulate is bitwise reproducible; from c5d43257a96d on, the conv nets pool channels-last "
         "activations on a CPU, which changes results only by float reassociation (`bench/model_layout.py`). "
         "`ps-ring-pi<π>.yaml` holds the parameter-server baselines of the same partition (cases with `flower:`, run by "
-        "`p2pfl flower` on Flower's runtime); they keep no checkpoints, so an interrupted one reruns from round 0.",
+        "`p2pfl flower` on Flower's runtime); they resume too (`p2pfl flower --resume`: the server and every node "
+        "checkpoint every 5 rounds).",
         "",
         "## Protocol (Fashion-MNIST, 128 peers, `cnn_small`)", "",
         "- Data: per-class Dirichlet(π) split over 128 peers (DePRL appendix), π ∈ {0.1, 0.3, 0.5}; each peer's test "
@@ -854,16 +857,17 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
 
     doc += ["## Discussion", "", DISCUSSION_OPEN, discussion_text(out), DISCUSSION_CLOSE, ""]
     doc += ["## Run folders", ""]
-    runs = [(c, p) for c in cells for p in c["runs"]]
-    if runs:
-        doc += md_table(["run folder", "table", "method", "final (%)", "wall s/round"],
-                        [[f"`{p}`", c["table"], c["method"], f"{c['curves'][p.rsplit('seed=', 1)[1]][-1][1]:.2f}",
-                          str(c["wall_seconds_per_round"][c["runs"].index(p)])] for c, p in runs])
-    else:
-        doc.append("None yet.")
+    rows = run_folder_rows(cells)
+    doc += md_table(["run folder", "table", "method", "final (%)", "wall s/round"], rows) if rows else ["None yet."]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(doc).rstrip("\n") + "\n")
     return doc
+
+
+def run_folder_rows(cells: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per committed run folder: its seed's final accuracy as the cell tables round it (once)."""
+    return [[f"`{p}`", c["table"], c["method"], f"{c['finals'][p.rsplit('seed=', 1)[1]]:.2f}",
+             str(c["wall_seconds_per_round"][c["runs"].index(p)])] for c in cells for p in c["runs"]]
 
 
 def claims_section(claims: list[dict[str, Any]]) -> list[str]:
