@@ -70,12 +70,10 @@ def keep_generation(node: Any, every: int) -> Callable[[int], None] | None:
         done = r + 1
         if checkpoint_due(done, every, node.rounds):
             gen = ckpt.parent / "gen"
-            gen.mkdir(parents=True, exist_ok=True)
             if mine is None:
+                gen.mkdir(parents=True, exist_ok=True)
                 mine = sorted((p[1], f) for f in gen.iterdir() if (p := _parse(f.name)) and p[0] == node.peer_id)
-            target = gen / f"{node.peer_id}.r{done}.npz"
-            target.unlink(missing_ok=True)
-            os.link(ckpt, target)
+            target = link_generation(ckpt, node.peer_id, done)
             mine = sorted({**dict(mine), done: target}.items())
             for _, old in mine[:-GENERATIONS]:
                 old.unlink(missing_ok=True)
@@ -84,6 +82,30 @@ def keep_generation(node: Any, every: int) -> Callable[[int], None] | None:
             previous(r)
 
     return on_round
+
+
+def link_generation(ckpt: Path, peer: str, done: int) -> Path:
+    """Keep the checkpoint a writer has just replaced atomically as generation ``<peer>.r<done>``: a
+    hard link, no copy (the next atomic write replaces the checkpoint's name, not the linked file)."""
+    gen = ckpt.parent / "gen"
+    gen.mkdir(parents=True, exist_ok=True)
+    target = gen / f"{peer}.r{done}.npz"
+    target.unlink(missing_ok=True)
+    os.link(ckpt, target)
+    return target
+
+
+def keep_generations(ckpt_dir: Path, peers: list[str], done: int) -> None:
+    """For a writer of every peer's checkpoint at once (the batched engine): link each peer's fresh
+    checkpoint as its generation of round ``done``, then keep the newest :data:`GENERATIONS` rounds
+    (one listing of the folder per checkpoint round, not one per peer)."""
+    for pid in peers:
+        link_generation(Path(ckpt_dir) / f"{pid}.npz", pid, done)
+    gen = Path(ckpt_dir) / "gen"
+    old = set(sorted(_generations(gen))[:-GENERATIONS])
+    for f in gen.iterdir():
+        if (parsed := _parse(f.name)) and parsed[1] in old:
+            f.unlink(missing_ok=True)
 
 
 def checkpoint_due(done: int, every: int, rounds: int) -> bool:
@@ -144,5 +166,5 @@ def resumable(run_dir: Path, peers: list[str] | None = None) -> bool:
     return any(set(peers) <= have for have in gens.values())
 
 
-__all__ = ["GENERATIONS", "checkpoint_due", "drop_generations", "keep_generation", "prepare_resume", "resumable",
-           "save_generation"]
+__all__ = ["GENERATIONS", "checkpoint_due", "drop_generations", "keep_generation", "keep_generations",
+           "link_generation", "prepare_resume", "resumable", "save_generation"]

@@ -277,3 +277,52 @@ def test_checkpoints_taken_off_the_device_in_chunks_are_the_same_files(tmp_path:
         assert sorted(whole[pid]) == sorted(chunked[pid])
         for key in whole[pid]:
             assert np.array_equal(whole[pid][key], chunked[pid][key]), (pid, key)
+
+
+#: Fields of a record that time the run: they differ between any two runs.
+TIMES = {"seconds", "train_seconds"}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name, extra", CASES, ids=[f"{n}{'-push' if e else ''}" for n, e in CASES])
+def test_a_resumed_batched_run_equals_the_uninterrupted_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
+                                                            extra: dict) -> None:
+    """The batched engine keeps checkpoint generations and resumes from them as the exact engine does:
+    a run stopped after round 2 (of 4) and resumed computes rounds 2-3 bitwise as the run that never
+    stopped, RNG streams included, and keeps its records of rounds 0-1."""
+    import p2pfl.engine.batched as batched
+
+    push = extra.get("mix_mode") == "push"
+    algorithm = _algorithm(name, extra)
+
+    for folder in (tmp_path / "full", tmp_path / "cut"):
+        folder.mkdir()
+        _config(folder, algorithm, "batched", push=push)
+        text = (folder / "config.yaml").read_text().replace("rounds: 3", "rounds: 4")
+        (folder / "config.yaml").write_text(text + "checkpoint: {every: 2}\n")
+    simulate(load_config(tmp_path / "full" / "config.yaml"), tmp_path / "full" / "run", progress=False)
+    assert not (tmp_path / "full" / "run" / "checkpoints" / "gen").exists()  # a finished run keeps its last only
+
+    cut = tmp_path / "cut" / "run"
+    monkeypatch.setattr(batched, "drop_generations", lambda run_dir: None)  # as if killed after the last round
+    simulate(load_config(tmp_path / "cut" / "config.yaml"), cut, progress=False)
+    monkeypatch.undo()
+    (cut / "summary.json").unlink()
+    gens = sorted(f.name for f in (cut / "checkpoints" / "gen").iterdir())
+    assert gens == sorted(f"p{i}.r{r}.npz" for i in range(PEERS) for r in (2, 4))
+    for f in (cut / "checkpoints" / "gen").glob("*.r4.npz"):
+        f.unlink()  # killed before round 4's checkpoint
+    summary = simulate(load_config(tmp_path / "cut" / "config.yaml"), cut, progress=False, resume=True)
+    assert summary["resumed_from_round"] == 2
+
+    def recs(run_dir: Path) -> list[dict]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMES} for line in lines]
+
+    assert recs(cut) == recs(tmp_path / "full" / "run")
+    for i in range(PEERS):
+        with np.load(tmp_path / "full" / "run" / "checkpoints" / f"p{i}.npz") as a, \
+                np.load(cut / "checkpoints" / f"p{i}.npz") as b:
+            assert sorted(a.files) == sorted(b.files)
+            for key in a.files:
+                assert np.array_equal(a[key], b[key]), (i, key)  # parameters, algorithm state, RNG, meta

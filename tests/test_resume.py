@@ -165,3 +165,53 @@ def test_keep_generation_keeps_the_last_three_of_each_peer_including_a_resumed_r
     # rounds done 4, 6, 8 and 9 (the last) were linked; the 3 newest of peer a stay; b is untouched
     assert GENERATIONS == 3
     assert kept == ["a.r6.npz", "a.r8.npz", "a.r9.npz", "b.r2.npz"]
+
+
+@pytest.mark.timeout(240)
+def test_a_batched_run_killed_with_sigkill_resumes_where_every_peer_checkpointed(tmp_path: Path) -> None:
+    """A real kill -9 of a batched ``p2pfl simulate`` mid-run; ``--resume`` continues from the last
+    generation every peer has and ends with exactly the records (times aside) and final checkpoints
+    of a run that was never stopped."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg_path = tiny_config(tmp_path, rounds=40, algorithm=DEPRL, checkpoint={"every": 2},
+                           simulation={"workers": 1, "engine": "batched"})
+    full, cut = tmp_path / "full", tmp_path / "cut"
+
+    def cli(out: Path, *more: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "p2pfl.cli", "simulate", "--config", str(cfg_path),
+                                 "--out", str(out), "--quiet", *more],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    proc = cli(cut)
+    try:
+        gen = cut / "checkpoints" / "gen"
+        deadline = time.monotonic() + 120
+        while not (gen.is_dir() and len(list(gen.glob("p3.r*.npz"))) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not (cut / "summary.json").exists() and resumable(cut, PEERS)
+    for run, more in ((cut, ("--resume",)), (full, ())):
+        done = cli(run, *more)
+        _, err = done.communicate(timeout=150)
+        assert done.returncode == 0, err.decode(errors="replace")[-2000:]
+    resumed_from = json.loads((cut / "summary.json").read_text())["resumed_from_round"]
+    assert 0 < resumed_from < 40 and resumed_from % 2 == 0
+
+    def recs(run_dir: Path) -> list[dict]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "train_seconds")} for line in lines]
+
+    assert recs(cut) == recs(full)  # each peer-round once, the resumed rounds bitwise
+    for pid in PEERS:
+        with np.load(full / "checkpoints" / f"{pid}.npz") as a, np.load(cut / "checkpoints" / f"{pid}.npz") as b:
+            assert all(np.array_equal(a[k], b[k]) for k in a.files)

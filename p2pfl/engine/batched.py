@@ -31,12 +31,13 @@ import torch
 
 from p2pfl.algorithms.base import Algorithm, PeerState
 from p2pfl.algorithms.dfedpgp import MU
-from p2pfl.checkpoint import save_checkpoint
+from p2pfl.checkpoint import load_checkpoint, save_checkpoint
 from p2pfl.config import ExperimentConfig
 from p2pfl.data.loader import PeerData
 from p2pfl.engine.context import BatchedContext
 from p2pfl.experiment import Experiment
 from p2pfl.messages import Message
+from p2pfl.resume import drop_generations, keep_generations, prepare_resume
 from p2pfl.runfolder import RunFolder
 from p2pfl.wire.codec import wire_size
 
@@ -158,7 +159,28 @@ class BatchedSimulation:
         every = self.cfg.checkpoint_every
         if self.ckpt_dir is not None and every and ((r + 1) % every == 0 or r + 1 == total_rounds):
             self._checkpoint()
+            keep_generations(self.ckpt_dir, self.ids, r + 1)  # what a resume restarts from (p2pfl/resume.py)
         return recs
+
+    def restore(self) -> int:
+        """Continue from every peer's checkpoint file (as ``prepare_resume`` put them back): parameters,
+        algorithm state and each peer's RNG, so the run goes on as if it had not stopped. Returns the
+        round it resumes at."""
+        assert self.ckpt_dir is not None
+        device = self.state.params.device
+        states = []
+        for i, pid in enumerate(self.ids):
+            state, rng, _ = load_checkpoint(self.ckpt_dir / f"{pid}.npz", device)
+            if state.peer_id != pid or state.params.shape != self.state.params[i].shape:
+                raise BatchedEngineError(f"checkpoint {self.ckpt_dir / f'{pid}.npz'} does not belong to peer {pid}")
+            self.generators[i].set_state(rng)
+            states.append(state)
+        if len({s.round for s in states}) != 1:
+            raise BatchedEngineError(f"checkpoints in {self.ckpt_dir} hold different rounds; resume with prepare_resume")
+        stacked = stack_states(states)
+        self.state.params.copy_(stacked.params)  # in place: the context trains these very rows
+        self.state.extra, self.state.scalars, self.state.round = stacked.extra, stacked.scalars, stacked.round
+        return self.state.round
 
     def _checkpoint(self) -> None:
         """Every peer's checkpoint file, as the exact engine's simulate writes them (not fsynced,
@@ -241,11 +263,13 @@ def run_batched(exp: Experiment, run_dir: Path | None, record: Record, rounds: i
 
 def simulate_batched(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, *, progress: bool = True,
                      resume: bool = False) -> dict[str, Any]:
-    """``p2pfl simulate`` with ``simulation.engine: batched``: the same run folder as the exact engine."""
-    if resume:
-        raise BatchedEngineError("simulation.engine 'batched' cannot resume a run yet; use engine 'exact'")
+    """``p2pfl simulate`` with ``simulation.engine: batched``: the same run folder as the exact engine.
+
+    ``resume``: continue from the last round every peer checkpointed, as the exact engine does
+    (``p2pfl/resume.py``), from the same per-peer checkpoint files and generations."""
     ids = list(exp.topology.ids)
-    run = RunFolder.start(run_dir, cfg, exp.topology, exp.partition, "simulate")
+    start = prepare_resume(run_dir, ids, before=cfg.rounds) if resume else 0
+    run = RunFolder.start(run_dir, cfg, exp.topology, exp.partition, "simulate", append=start > 0)
     threads = torch.get_num_threads()
     # One process steps every peer, with one torch thread. ``simulation.workers`` torch threads
     # were tried: a step of one peer's batch (a few small kernels) is too small to split, and the
@@ -256,12 +280,16 @@ def simulate_batched(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, *, p
     workers = 1
     torch.set_num_threads(1)
     if progress:
-        run.show_progress(len(ids) * cfg.rounds, "simulating (batched)")
+        run.show_progress(len(ids) * (cfg.rounds - start), "simulating (batched)")
     try:
         sim = BatchedSimulation(exp, run_dir, run.record)
-        for r in range(cfg.rounds):
+        if start and sim.restore() != start:
+            raise BatchedEngineError(f"{run_dir}: the restored checkpoints are not of round {start}")
+        for r in range(start, cfg.rounds):
             sim.run_round(r)
     finally:
         run.close()
         torch.set_num_threads(threads)
-    return run.finish(ids, {"engine": "batched", "workers": workers, "resumed_from_round": 0})
+    drop_generations(run_dir)
+    return run.finish(ids, {"engine": "batched", "workers": workers, "resumed_from_round": start},
+                      rounds_run=cfg.rounds - start)
