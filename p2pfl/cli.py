@@ -156,7 +156,8 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
              out: Annotated[Path | None, typer.Option(help="run folder")] = None, set: SetOpt = None,
              quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")] = False,
              resume: Annotated[bool, typer.Option("--resume", help="continue an interrupted run in --out from "
-                                                  "the last round every peer checkpointed")] = False,
+                                                  "the last round every peer checkpointed, or extend a finished "
+                                                  "one to more rounds")] = False,
              verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
     """Run every peer of CONFIG in one process (in-memory transport) and write a run folder."""
     _setup_logging(verbose)

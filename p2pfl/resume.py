@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from p2pfl.algorithms.base import PeerState
-from p2pfl.checkpoint import save_checkpoint
+from p2pfl.badinput import BadInput, shorten
+from p2pfl.checkpoint import checkpoint_info, save_checkpoint
 from p2pfl.runfolder import keep_rounds
 
 #: Checkpoint generations kept per peer (peers drift apart by far less than two checkpoint intervals).
@@ -127,16 +128,44 @@ def save_generation(run_dir: Path, state: PeerState, generator: torch.Generator,
         old.unlink(missing_ok=True)
 
 
+class ResumeError(BadInput):
+    """``--resume`` was given a folder it cannot continue (a finished run, at its rounds already)."""
+
+
+def finished_round(run_dir: Path, peers: list[str] | None = None) -> int | None:
+    """The round a finished simulation ended at, when its final checkpoints can continue it: a
+    ``summary.json`` and every peer's ``checkpoints/<peer>.npz`` (``peers``; None: every such file
+    there is) of one same round. None otherwise."""
+    run_dir = Path(run_dir)
+    ckpts = run_dir / "checkpoints"
+    if not (run_dir / "summary.json").is_file():
+        return None
+    files = [ckpts / f"{pid}.npz" for pid in peers] if peers is not None else sorted(ckpts.glob("*.npz"))
+    try:
+        rounds = {checkpoint_info(f)[0] if f.is_file() else 0 for f in files}
+    except (OSError, ValueError, KeyError):
+        return None
+    return rounds.pop() if len(rounds) == 1 and min(rounds) > 0 else None
+
+
 def prepare_resume(run_dir: Path, peers: list[str], before: int | None = None) -> int:
     """Restore the last round every peer checkpointed (below ``before``); return it (0: start over).
 
     Puts each peer's generation of that round back as ``checkpoints/<peer>.npz`` and rewrites
     ``metrics.jsonl`` without the rounds from it on (they will be recorded again). With no common
     generation the old generations are removed and 0 is returned: the run starts from round 0.
+
+    A *finished* run (``summary.json``) is never started over: with its final checkpoints and
+    ``before`` (the config's rounds) above the round it ended at, it is extended from there (no
+    algorithm is told the number of rounds, so this continues exactly as a longer run would, but for
+    the evaluation every run makes at its last round); otherwise :class:`ResumeError`, with nothing
+    changed.
     """
     run_dir = Path(run_dir)
     gen = _gen_dir(run_dir)
     common = [r for r, have in _generations(gen).items() if set(peers) <= have and (before is None or r < before)]
+    if not common and (run_dir / "summary.json").is_file():
+        return _extend(run_dir, peers, before)
     if not common:
         shutil.rmtree(gen, ignore_errors=True)
         return 0
@@ -153,6 +182,27 @@ def prepare_resume(run_dir: Path, peers: list[str], before: int | None = None) -
     return start
 
 
+def _extend(run_dir: Path, peers: list[str], before: int | None) -> int:
+    """A finished run continued to ``before`` rounds from its final checkpoints (see prepare_resume)."""
+    done = finished_round(run_dir, peers)
+    if done is None:
+        raise ResumeError(f"{shorten(str(run_dir))} holds a finished run without final checkpoints of every peer to continue "
+                          "from; nothing to resume", source="--resume",
+                          hint="drop --resume to run it again from round 0")
+    if before is not None and done >= before:
+        raise ResumeError(f"{shorten(str(run_dir))} holds a run that finished its {done} rounds; nothing to resume",
+                          source="--resume", hint=f"set rounds above {done} to extend it")
+    # From here on the folder is an interrupted run resumable at ``done``: its generations first, then
+    # no summary (a kill in between leaves a finished run, as before).
+    for pid in peers:
+        link_generation(run_dir / "checkpoints" / f"{pid}.npz", pid, done)
+    (run_dir / "summary.json").unlink()
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        keep_rounds(metrics, done)
+    return done
+
+
 def drop_generations(run_dir: Path) -> None:
     """A finished run needs only its final checkpoints."""
     shutil.rmtree(_gen_dir(run_dir), ignore_errors=True)
@@ -166,5 +216,5 @@ def resumable(run_dir: Path, peers: list[str] | None = None) -> bool:
     return any(set(peers) <= have for have in gens.values())
 
 
-__all__ = ["GENERATIONS", "checkpoint_due", "drop_generations", "keep_generation", "keep_generations",
-           "link_generation", "prepare_resume", "resumable", "save_generation"]
+__all__ = ["GENERATIONS", "ResumeError", "checkpoint_due", "drop_generations", "finished_round", "keep_generation",
+           "keep_generations", "link_generation", "prepare_resume", "resumable", "save_generation"]

@@ -26,6 +26,8 @@ cannot take the others down, and its output lands in ``<cell>/log.txt``). The sw
 a cell whose ``summary.json`` exists and whose saved config matches the planned one is done; an
 interrupted cell with the planned config and checkpoints continues from the last round every peer
 checkpointed (``p2pfl simulate --resume`` or ``p2pfl flower --resume``, see ``p2pfl/resume.py``);
+a finished simulation whose config differs from the plan's only in more ``rounds`` is extended from its
+final checkpoints (the same ``--resume``: raise a sweep's ``rounds`` to run its curves further);
 anything else in its folder (a failed or stale attempt) is deleted and rerun from scratch, so no
 cell ever mixes two configs. ``sweep.json`` in the sweep folder lists every cell, its overrides and
 its status.
@@ -121,7 +123,7 @@ class CellResult:
     status: str  # finished (earlier) | done (now) | failed | interrupted | pending | planned | unselected
     error: str | None = None
     seconds: float | None = None
-    found: str = "new"  # what was in its folder before: new | finished | interrupted | stale (see cell_state)
+    found: str = "new"  # what was in its folder before: new | finished | interrupted | extendable | stale (cell_state)
 
 
 @dataclass
@@ -471,19 +473,32 @@ def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def cell_state(cell_dir: Path, config: dict[str, Any]) -> str:
-    """``new`` (no folder), ``finished`` (summary + matching config), ``stale`` (finished with
-    another config: the sweep changed), or ``interrupted`` (a folder without a summary)."""
+    """``new`` (no folder), ``finished`` (summary + matching config), ``extendable`` (a finished
+    simulation whose config differs from the plan's in more ``rounds`` only, with the final checkpoints
+    to continue from: ``p2pfl simulate --resume`` extends it), ``stale`` (finished with another
+    config: the sweep changed), or ``interrupted`` (a folder without a summary of its config's rounds)."""
     if not cell_dir.exists():
         return "new"
     summary, saved = cell_dir / "summary.json", cell_dir / "config.yaml"
     if not (summary.is_file() and saved.is_file() and (cell_dir / "metrics.jsonl").is_file()):
         return "interrupted"
     try:
-        json.loads(summary.read_text())
+        ran = json.loads(summary.read_text()).get("rounds")
         done = parse_config(_with_local_topology(yaml.safe_load(saved.read_text()), config)).raw
-    except (OSError, ValueError, yaml.YAMLError, TypeError):
+    except (OSError, ValueError, yaml.YAMLError, TypeError, AttributeError):
         return "interrupted"
-    return "finished" if _comparable(_normalize(done)) == _comparable(config) else "stale"
+    if ran is not None and ran != done.get("rounds"):
+        return "interrupted"  # an extension stopped before it took the summary away
+    if _comparable(_normalize(done)) == _comparable(config):
+        return "finished"
+    if (_comparable({**_normalize(done), "rounds": 0}) == _comparable({**config, "rounds": 0})
+            and isinstance(done.get("rounds"), int) and isinstance(config.get("rounds"), int)
+            and done["rounds"] < config["rounds"]):
+        from p2pfl.resume import finished_round
+
+        if finished_round(cell_dir) == done["rounds"]:
+            return "extendable"
+    return "stale"
 
 
 # --------------------------------------------------------------------------------------------
@@ -687,7 +702,7 @@ def core_slots(jobs: int) -> list[list[int]] | None:
 
 def _start(out: Path, res: CellResult, slot: int = 0, cores: list[int] | None = None) -> _Running:
     cell_dir = out / res.cell.name
-    resume = res.found == "interrupted" and can_resume(cell_dir, res.cell.config)
+    resume = (res.found == "interrupted" and can_resume(cell_dir, res.cell.config)) or res.found == "extendable"
     if cell_dir.exists() and not resume:  # a failed or stale attempt, or one without checkpoints: start clean
         shutil.rmtree(cell_dir)
     cell_dir.mkdir(parents=True, exist_ok=True)

@@ -40,16 +40,21 @@ def sweep_command(
         raise typer.Exit(130) from None
     folder = out or default_out(spec)
     stale = [r.cell.name for r in result.cells if r.found == "stale" and r.status != "unselected"]
+    extended = [r.cell.name for r in result.cells if r.found == "extendable" and r.status != "unselected"]
     if dry_run:
         _print_cells(result, len(spec.overrides))
         todo = sum(1 for r in result.cells if r.status == "planned")
         finished, left = result.count("finished"), result.count("unselected")
         typer.echo(f"{len(result.cells)} cells, {finished} already finished, {todo} to run "
                    f"into {folder}" + (f" ({len(stale)} finished with another config would be rerun)" if stale else "")
+                   + (f" ({len(extended)} finished with fewer rounds would be extended)" if extended else "")
                    + (f", {left} not selected by --only" if left else ""))
         return
     if stale:
         typer.echo(f"note: reran {len(stale)} cells whose saved config differed from the sweep: {', '.join(stale)}",
+                   err=True)
+    if extended:
+        typer.echo(f"note: extended {len(extended)} finished cells to the sweep's rounds: {', '.join(extended)}",
                    err=True)
     left = result.count("unselected")
     typer.echo(f"{len(result.cells)} cells: {result.count('done')} run now, {result.count('finished')} already "

@@ -215,3 +215,78 @@ def test_a_batched_run_killed_with_sigkill_resumes_where_every_peer_checkpointed
     for pid in PEERS:
         with np.load(full / "checkpoints" / f"{pid}.npz") as a, np.load(cut / "checkpoints" / f"{pid}.npz") as b:
             assert all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.timeout(120)
+def test_resume_of_a_finished_run_at_its_rounds_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """``--resume`` on a finished run used to start it over from round 0, rewriting its folder."""
+    from p2pfl.resume import ResumeError
+
+    cfg_path = tiny_config(tmp_path, rounds=2, algorithm=DEPRL, checkpoint={"every": 2})
+    run = tmp_path / "run"
+    sim.simulate(load_config(cfg_path), run, progress=False)
+    before = _tree(run)
+    with pytest.raises(ResumeError, match="finished its 2 rounds; nothing to resume; set rounds above 2"):
+        sim.simulate(load_config(cfg_path), run, progress=False, resume=True)
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "p2pfl.cli", "simulate", "--config", str(cfg_path), "--out", str(run),
+                          "--resume", "--quiet"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("error: --resume: ") and "set rounds above 2 to extend it" in res.stderr
+    assert _tree(run) == before
+    (run / "checkpoints" / "p1.npz").unlink()  # no final checkpoint of every peer: nothing to extend from either
+    before = _tree(run)
+    with pytest.raises(ResumeError, match="without final checkpoints of every peer"):
+        sim.simulate(load_config(tiny_config(tmp_path, rounds=4, algorithm=DEPRL)), run, progress=False, resume=True)
+    assert _tree(run) == before
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("engine", ["exact", "batched"])
+def test_a_finished_run_extended_to_more_rounds_equals_the_longer_run(tmp_path: Path, engine: str) -> None:
+    """No algorithm is told the number of rounds, so 4 rounds extended to 6 from the final checkpoints
+    are the 6-round run: the same records and final checkpoints (RNG included)."""
+    extra = {"algorithm": DEPRL, "checkpoint": {"every": 2}, "simulation": {"workers": 1, "engine": engine}}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    longer = tmp_path / "longer"
+    sim.simulate(load_config(tiny_config(tmp_path / "a", rounds=6, **extra)), longer, progress=False)
+    run = tmp_path / "run"
+    sim.simulate(load_config(tiny_config(tmp_path / "b", rounds=4, **extra)), run, progress=False)
+    summary = sim.simulate(load_config(tiny_config(tmp_path / "b", rounds=6, **extra)), run, progress=False,
+                           resume=True)
+    assert (summary["resumed_from_round"], summary["rounds"]) == (4, 6)
+    assert yaml.safe_load((run / "config.yaml").read_text())["rounds"] == 6
+    assert _records(run) == _records(longer)
+    for pid in PEERS:
+        with np.load(longer / "checkpoints" / f"{pid}.npz") as a, np.load(run / "checkpoints" / f"{pid}.npz") as b:
+            assert all(np.array_equal(a[k], b[k]) for k in a.files if k != "meta"), pid
+
+
+@pytest.mark.timeout(240)
+def test_a_sweep_with_more_rounds_extends_its_finished_cells(tmp_path: Path) -> None:
+    base = tiny_config(tmp_path, rounds=2, algorithm=DEPRL, checkpoint={"every": 2})
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text(yaml.safe_dump({"name": "s", "base": str(base), "grid": {"seed": [3]}}))
+    out = tmp_path / "out"
+    run_sweep(load_sweep(sweep), out, progress=False)
+    cell = out / "seed=3"
+    (cell / "marker").write_text("kept")
+    sweep.write_text(yaml.safe_dump({"name": "s", "base": str(base), "set": ["rounds=4"], "grid": {"seed": [3]}}))
+    res = run_sweep(load_sweep(sweep), out, progress=False)
+    assert [(c.found, c.status) for c in res.cells] == [("extendable", "done")]
+    assert (cell / "marker").exists() and "--resume" in (cell / "log.txt").read_text()
+    summary = json.loads((cell / "summary.json").read_text())
+    assert (summary["resumed_from_round"], summary["rounds"]) == (2, 4)
+    assert sorted({r for r, _, _ in _records(cell)}) == [0, 1, 2, 3]  # every round once per peer
+    assert len(_records(cell)) == 4 * len(PEERS)
+    # a finished cell with another change than more rounds is still rerun from scratch
+    sweep.write_text(yaml.safe_dump({"name": "s", "base": str(base), "set": ["rounds=3"], "grid": {"seed": [3]}}))
+    res = run_sweep(load_sweep(sweep), out, progress=False)
+    assert [(c.found, c.status) for c in res.cells] == [("stale", "done")] and not (cell / "marker").exists()
