@@ -70,8 +70,8 @@ def keep_generation(node: Any, every: int) -> Callable[[int], None] | None:
         nonlocal mine
         done = r + 1
         if checkpoint_due(done, every, node.rounds):
-            gen = ckpt.parent / "gen"
             if mine is None:
+                gen = ckpt.parent / "gen"
                 gen.mkdir(parents=True, exist_ok=True)
                 mine = sorted((p[1], f) for f in gen.iterdir() if (p := _parse(f.name)) and p[0] == node.peer_id)
             target = link_generation(ckpt, node.peer_id, done)

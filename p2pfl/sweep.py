@@ -489,9 +489,10 @@ def cell_state(cell_dir: Path, config: dict[str, Any]) -> str:
         return "interrupted"
     if ran is not None and ran != done.get("rounds"):
         return "interrupted"  # an extension stopped before it took the summary away
-    if _comparable(_normalize(done)) == _comparable(config):
+    done = _normalize(done)
+    if _comparable(done) == _comparable(config):
         return "finished"
-    if (_comparable({**_normalize(done), "rounds": 0}) == _comparable({**config, "rounds": 0})
+    if (_comparable({**done, "rounds": 0}) == _comparable({**config, "rounds": 0})
             and isinstance(done.get("rounds"), int) and isinstance(config.get("rounds"), int)
             and done["rounds"] < config["rounds"]):
         from p2pfl.resume import finished_round

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,15 @@ import pytest
 import yaml
 
 from p2pfl.topology import generate
+
+#: Fields of a metrics record that time the run: they differ between any two runs of the same config.
+TIMES = ("seconds", "train_seconds")
+
+
+def records_without_times(run_dir: Path) -> list[dict[str, Any]]:
+    """A simulation's ``metrics.jsonl`` records, in file order, less the fields that time the run."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMES} for line in lines]
 
 
 def tiny_config(tmp_path: Path, *, peers: int = 4, rounds: int = 3, algorithm: dict[str, Any] | None = None,

@@ -177,7 +177,7 @@ def test_a_run_folders_final_is_rounded_once_as_in_the_cell_tables() -> None:
     '87.06'), where the cell tables show the final rounded once (87.07)."""
     e = rmd.Evidence(seed=0, path="docs/results/runs/s/dpsgd__seed=0", curve=[(99, 0.8706503)], final=0.8706503,
                      rounds=100, avg_model_acc=None, wall_seconds_per_round=9.0)
-    cell = {"table": "deprl-t1", "method": "D-PSGD", "runs": [e.path], "wall_seconds_per_round": [9.0],
+    cell = {"table": "deprl-t1", "method": "D-PSGD", "runs": [e.path], "seeds": [0], "wall_seconds_per_round": [9.0],
             "curves": {"0": [[100, round(100 * e.final, 3)]]}, "finals": {"0": rmd._r(100 * e.final)}}
     assert f"{cell['curves']['0'][-1][1]:.2f}" == "87.06"  # the double rounding this guards against
     assert rmd.run_folder_rows([cell]) == [[f"`{e.path}`", "deprl-t1", "D-PSGD", "87.07", "9.0"]]

@@ -13,7 +13,7 @@ import p2pfl.simulation as sim
 from p2pfl.config import ExperimentConfig, load_config
 from p2pfl.resume import prepare_resume, resumable
 from p2pfl.sweep import load_sweep, run_sweep
-from tests.conftest import tiny_config
+from tests.conftest import records_without_times, tiny_config
 
 PEERS = ["p0", "p1", "p2", "p3"]
 DEPRL = {"name": "deprl", "tau": 1, "tau_unit": "epochs", "rep_steps": 1, "rep_unit": "epochs", "lr_decay": 1.0}
@@ -207,11 +207,7 @@ def test_a_batched_run_killed_with_sigkill_resumes_where_every_peer_checkpointed
     resumed_from = json.loads((cut / "summary.json").read_text())["resumed_from_round"]
     assert 0 < resumed_from < 40 and resumed_from % 2 == 0
 
-    def recs(run_dir: Path) -> list[dict]:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        return [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "train_seconds")} for line in lines]
-
-    assert recs(cut) == recs(full)  # each peer-round once, the resumed rounds bitwise
+    assert records_without_times(cut) == records_without_times(full)  # each peer-round once, the resumed rounds bitwise
     for pid in PEERS:
         with np.load(full / "checkpoints" / f"{pid}.npz") as a, np.load(cut / "checkpoints" / f"{pid}.npz") as b:
             assert all(np.array_equal(a[k], b[k]) for k in a.files)

@@ -866,8 +866,8 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
 
 def run_folder_rows(cells: list[dict[str, Any]]) -> list[list[str]]:
     """One row per committed run folder: its seed's final accuracy as the cell tables round it (once)."""
-    return [[f"`{p}`", c["table"], c["method"], f"{c['finals'][p.rsplit('seed=', 1)[1]]:.2f}",
-             str(c["wall_seconds_per_round"][c["runs"].index(p)])] for c in cells for p in c["runs"]]
+    return [[f"`{p}`", c["table"], c["method"], f"{c['finals'][str(seed)]:.2f}", str(wall)]
+            for c in cells for p, seed, wall in zip(c["runs"], c["seeds"], c["wall_seconds_per_round"], strict=True)]
 
 
 def claims_section(claims: list[dict[str, Any]]) -> list[str]:

@@ -162,10 +162,9 @@ class BatchedSimulation:
             keep_generations(self.ckpt_dir, self.ids, r + 1)  # what a resume restarts from (p2pfl/resume.py)
         return recs
 
-    def restore(self) -> int:
-        """Continue from every peer's checkpoint file (as ``prepare_resume`` put them back): parameters,
-        algorithm state and each peer's RNG, so the run goes on as if it had not stopped. Returns the
-        round it resumes at."""
+    def restore(self, start: int) -> None:
+        """Continue at round ``start`` from every peer's checkpoint file (as ``prepare_resume`` put them
+        back): parameters, algorithm state and each peer's RNG, so the run goes on as if it had not stopped."""
         assert self.ckpt_dir is not None
         device = self.state.params.device
         states = []
@@ -173,14 +172,14 @@ class BatchedSimulation:
             state, rng, _ = load_checkpoint(self.ckpt_dir / f"{pid}.npz", device)
             if state.peer_id != pid or state.params.shape != self.state.params[i].shape:
                 raise BatchedEngineError(f"checkpoint {self.ckpt_dir / f'{pid}.npz'} does not belong to peer {pid}")
+            if state.round != start:
+                raise BatchedEngineError(f"checkpoint {self.ckpt_dir / f'{pid}.npz'} is of round {state.round}, "
+                                         f"not {start}")
             self.generators[i].set_state(rng)
             states.append(state)
-        if len({s.round for s in states}) != 1:
-            raise BatchedEngineError(f"checkpoints in {self.ckpt_dir} hold different rounds; resume with prepare_resume")
         stacked = stack_states(states)
         self.state.params.copy_(stacked.params)  # in place: the context trains these very rows
         self.state.extra, self.state.scalars, self.state.round = stacked.extra, stacked.scalars, stacked.round
-        return self.state.round
 
     def _checkpoint(self) -> None:
         """Every peer's checkpoint file, as the exact engine's simulate writes them (not fsynced,
@@ -283,8 +282,8 @@ def simulate_batched(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, *, p
         run.show_progress(len(ids) * (cfg.rounds - start), "simulating (batched)")
     try:
         sim = BatchedSimulation(exp, run_dir, run.record)
-        if start and sim.restore() != start:
-            raise BatchedEngineError(f"{run_dir}: the restored checkpoints are not of round {start}")
+        if start:
+            sim.restore(start)
         for r in range(start, cfg.rounds):
             sim.run_round(r)
     finally:
