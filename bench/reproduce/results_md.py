@@ -82,7 +82,7 @@ METHODS = (
     MethodDef("dispfl", "DisPFL", "dispfl", ""),
     MethodDef("dpsgd", "D-PSGD", "dpsgd", ""),
     MethodDef("deprl-steps", "DePRL (literal)", "deprl", "τ = 2 head steps + 1 representation step (Algorithm 1)"),
-    # diagnostics of the DePRL gap (table1/ring-pi0.1-diag.yaml): the epochs reading with another lr schedule only
+    # diagnostics of the DePRL gap (table1/ring-pi0.{1,5}-diag*.yaml): the epochs reading with another lr schedule only
     MethodDef("deprl-flatlr", "DePRL (no lr decay)", "deprl", "diagnostic: epochs reading, lr 0.005 / 0.01 without decay"),
     MethodDef("deprl-dpsgdlr", "DePRL (D-PSGD's lr)", "deprl",
               "diagnostic: epochs reading, lr 0.05 / 0.1 ×0.998 per round (D-PSGD's schedule)"),
@@ -168,7 +168,7 @@ def split(stem: str) -> tuple[str, str, str]:
 
 
 #: Extra sweep files pooled into a group: diagnostics that are not Table 1 cells (their own method rows).
-EXTRA_FILES = {("ring", 0.1): ("ring-pi0.1-diag", "ring-pi0.1-diag-seed1")}
+EXTRA_FILES = {("ring", 0.1): ("ring-pi0.1-diag", "ring-pi0.1-diag-seed1"), ("ring", 0.5): ("ring-pi0.5-diag",)}
 SWEEPS = tuple(SweepDef(split(f"{g}-pi{pi}") + EXTRA_FILES.get((g, pi), ()), "deprl-t1", g, pi)
                for g, _ in GRAPHS for pi in PIS) + (
     SweepDef(("smoke-ring-pi0.1", "smoke-ring-pi0.1-seeds12"), "deprl-t1-smoke", "ring", 0.1),
