@@ -3,9 +3,9 @@
 #
 # Run from the repository root on a machine whose python3 holds PyTorch with CUDA. What this
 # project needs beyond that image travels in .gpu/ (ignored by git; bench/gpu_prepare.sh builds it):
-# .gpu/whl/*.whl (pydantic, greenlet, isal, ... for that machine's Python) and .gpu/fashion-mnist/*.gz (the Debian package's
-# files). Each step has its own time limit, so a slow step costs only itself; everything it prints
-# lands in $OUT (default ./gpu-out):
+# .gpu/whl/*.whl (pydantic, greenlet, isal, ... for that machine's Python) and .gpu/fashion-mnist/*.gz
+# (the Debian package's files). Each step has its own time limit, so a slow step costs only itself;
+# everything it prints lands in $OUT (default ./gpu-out):
 #
 #   env.txt          GPU, driver, torch
 #   pytest.txt       the batched engine on CUDA against the exact engine on CPU, every algorithm
