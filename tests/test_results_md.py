@@ -93,6 +93,13 @@ def test_restore_puts_committed_cells_back_so_a_fresh_checkout_does_not_rerun_th
     assert sweep.cell_state(back, planned) == "finished"
     assert rmd.restore(fresh, evidence) == []  # present: left alone
     assert rmd.collect(fresh, evidence) == []  # and not collected again
+    # the committed cell replaced by a later run of it (a GPU rerun untarred into the evidence): the
+    # restored copy of the old one must not be collected over it
+    newer = evidence / name / "deprl-epochs__seed=0" / "summary.json"
+    newer.write_text(json.dumps({**json.loads(newer.read_text()), "wall_seconds": 1.0}) + "\n")
+    committed = {p.name: p.read_bytes() for p in newer.parent.iterdir()}
+    assert rmd.collect(fresh, evidence) == []
+    assert {p.name: p.read_bytes() for p in newer.parent.iterdir()} == committed
     # the evidence folder copied as it is (metrics still gzipped): the sweep would rerun it from round 0
     packed = tmp_path / "packed" / name / "deprl-epochs__seed=0"
     shutil.copytree(evidence / name / "deprl-epochs__seed=0", packed)

@@ -262,14 +262,18 @@ def restore(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
     A cell folder already under ``runs`` (finished, or interrupted with its checkpoints) is left
     alone, except a copy of the evidence itself (the same ``summary.json``, still gzipped): the
     sweep would take it for an interrupted cell without checkpoints and run it again from round 0,
-    so its files are unpacked in place. Returns the cells restored. ``collect`` then skips them
-    (same ``summary.json``)."""
+    so its files are unpacked in place. Each restored cell is marked (``RESTORED``) and ``collect``
+    never copies it back: it holds the evidence as it was committed, which a later commit may have
+    replaced (a GPU rerun of the same cells, untarred into the evidence) and must not be undone by an
+    old copy. A sweep that reruns such a cell deletes its folder first, marker included. Returns the
+    cells restored."""
     restored = []
     for name, cell in _finished_cells(evidence):
         dst = runs / name / cell.name
         if dst.exists():
             if _packed_copy(dst, cell):
                 _unpack(cell, dst)
+                _mark_restored(cell, dst)
                 restored.append(f"{name}/{cell.name}")
             continue
         tmp = dst.with_name(dst.name + ".restoring")
@@ -278,9 +282,18 @@ def restore(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
         for file in _COPIED:
             shutil.copyfile(cell / file, tmp / file)
         _unpack(cell, tmp)
+        _mark_restored(cell, tmp)
         tmp.rename(dst)  # whole or absent: a kill mid-restore leaves only the .restoring folder
         restored.append(f"{name}/{cell.name}")
     return restored
+
+
+#: A cell folder under runs/ that ``restore`` put back from the evidence (not a run made here).
+RESTORED = "restored.json"
+
+
+def _mark_restored(cell: Path, dst: Path) -> None:
+    (dst / RESTORED).write_text(json.dumps({"restored_from": str(cell)}) + "\n")
 
 
 def _packed_copy(dst: Path, cell: Path) -> bool:
@@ -308,6 +321,8 @@ def collect(runs: Path, evidence: Path = EVIDENCE, sweeps: set[str] | None = Non
     for name, cell in _finished_cells(runs):
         if sweeps is not None and name not in sweeps:
             continue
+        if (cell / RESTORED).is_file():
+            continue  # the evidence itself, put back by ``restore``: never copied over what is committed
         dst = evidence / name / cell.name
         if (dst / "summary.json").is_file() and (dst / "summary.json").read_bytes() == \
                 (cell / "summary.json").read_bytes():
