@@ -5,8 +5,9 @@
 # claims whose cells ran on a GPU with the batched engine (DFedPGP, DFedMDC, DFedADMM; about 3.5 hours
 # here) as the exact engine's cross-check; each (graph, pi) as three sweep files: DePRL
 # (epochs) seeds 0-2, then seed 0 of D-PSGD, the literal DePRL-steps variant and DisPFL, then their seeds 1-2.
-# A sweep whose every cell finished on a GPU (runs/reproduce/<name>-gpu, ../run_gpu.sh, batched engine)
-# is skipped in the default order; named on the command line, it runs here too.
+# The cells of a sweep that finished on a GPU (runs/reproduce/<name>-gpu, ../run_gpu.sh, batched engine)
+# are not run here again (`p2pfl sweep --only` the others; a sweep with none left is skipped), except the
+# claims' exact-engine cross-checks of the default order, and every cell with RERUN_GPU=1.
 # Resumable: rerun it; finished cells are skipped and an interrupted cell continues from the last
 # round every peer checkpointed (p2pfl/resume.py). Cells whose evidence is committed
 # (docs/results/runs/) count as finished on a fresh checkout too (results_md.py --restore puts them
@@ -49,13 +50,14 @@ if [ $# -eq 0 ]; then
   set -- "$@" $CROSS
 fi
 cd "$CODE"
-done_on_gpu() {  # done_on_gpu SWEEP_FILE FOLDER: every cell of the sweep finished in FOLDER
-  [ -d "$2" ] && "$PY" - "$1" "$2" <<'EOF'
+left_after_gpu() {  # left_after_gpu SWEEP_FILE FOLDER: the sweep's cells not finished in FOLDER, one a line
+  "$PY" - "$1" "$2" <<'EOF'
 import sys
 from pathlib import Path
 from p2pfl.sweep import load_sweep, plan_cells
-cells = plan_cells(load_sweep(sys.argv[1]))
-sys.exit(0 if all((Path(sys.argv[2]) / c.name / "summary.json").is_file() for c in cells) else 1)
+for c in plan_cells(load_sweep(sys.argv[1])):
+    if not (Path(sys.argv[2]) / c.name / "summary.json").is_file():
+        print(c.name)
 EOF
 }
 for sweep in "$@"; do
@@ -63,13 +65,19 @@ for sweep in "$@"; do
     claims/*) name="claims-${sweep#claims/}"; file="bench/reproduce/$sweep.yaml" ;;
     *) name="t1-$sweep"; file="bench/reproduce/table1/$sweep.yaml" ;;
   esac
-  if [ "$DEFAULT" = 1 ] && [[ " $CROSS " != *" $sweep "* ]] && done_on_gpu "$file" "$OUT/$name-gpu"; then
-    echo "== $(date -u +%FT%TZ) $name: every cell finished on a GPU ($name-gpu, run_gpu.sh); skipped" \
-      >> "$OUT/table1-progress.log"
-    continue
+  only=() note=
+  if [ -z "${RERUN_GPU:-}" ] && [[ " $CROSS " != *" $sweep "* ]] && [ -d "$OUT/$name-gpu" ] \
+      && left=$(left_after_gpu "$file" "$OUT/$name-gpu"); then
+    if [ -z "$left" ]; then
+      echo "== $(date -u +%FT%TZ) $name: every cell finished on a GPU ($name-gpu, run_gpu.sh); skipped" \
+        >> "$OUT/table1-progress.log"
+      continue
+    fi
+    for cell in $left; do only+=(--only "$cell"); done
+    note=", the cells not finished on a GPU: $(echo $left)"
   fi
-  echo "== $(date -u +%FT%TZ) $name (code $SHA)" >> "$OUT/table1-progress.log"
-  nice -n 19 "$PY" -m p2pfl.cli sweep "$file" --out "$OUT/$name" --quiet \
+  echo "== $(date -u +%FT%TZ) $name (code $SHA$note)" >> "$OUT/table1-progress.log"
+  nice -n 19 "$PY" -m p2pfl.cli sweep "$file" --out "$OUT/$name" --quiet "${only[@]}" \
     >> "$OUT/$name.log" 2>&1
   echo "   exit $?" >> "$OUT/table1-progress.log"
 done
