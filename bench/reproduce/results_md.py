@@ -255,6 +255,14 @@ def _finished_cells(root: Path) -> Iterator[tuple[str, Path]]:
                 yield name, cell
 
 
+#: A cell folder under runs/ that ``restore`` put back from the evidence (not a run made here).
+RESTORED = "restored.json"
+
+
+def _mark_restored(cell: Path, dst: Path) -> None:
+    (dst / RESTORED).write_text(json.dumps({"restored_from": str(cell)}) + "\n")
+
+
 def restore(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
     """The inverse of `collect` for cells missing under ``runs``: put each committed cell's
     ``config.yaml``, ``summary.json`` and ``metrics.jsonl`` (and ``partition.json``) back, so that a
@@ -286,14 +294,6 @@ def restore(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
         tmp.rename(dst)  # whole or absent: a kill mid-restore leaves only the .restoring folder
         restored.append(f"{name}/{cell.name}")
     return restored
-
-
-#: A cell folder under runs/ that ``restore`` put back from the evidence (not a run made here).
-RESTORED = "restored.json"
-
-
-def _mark_restored(cell: Path, dst: Path) -> None:
-    (dst / RESTORED).write_text(json.dumps({"restored_from": str(cell)}) + "\n")
 
 
 def _packed_copy(dst: Path, cell: Path) -> bool:
