@@ -746,7 +746,7 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
     cells = results["cells"]
     main = [c for c in cells if c["table"] == "deprl-t1" and c["case"] in MAIN]
     done_main = sum(1 for c in main if c["ours_mean"] is not None)
-    three_main = sum(1 for c in main if len(c.get("seeds") or []) >= 3)  # the minimum of seeds
+    three_main = sum(1 for c in main if len(c["seeds"]) >= 3)  # the minimum of seeds
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     rules = results["rules"]
     doc = [
