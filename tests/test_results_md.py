@@ -132,7 +132,7 @@ def test_a_claim_is_judged_in_its_papers_metric_from_the_committed_cells(
                 shutil.copytree(src, dst)
             (dst / "avg_model.json").write_text(json.dumps({"acc": acc}))
             cfg = yaml.safe_load((dst / "config.yaml").read_text())
-            (dst / "config.yaml").write_text(yaml.safe_dump({**cfg, "seed": seed}))
+            (dst / "config.yaml").write_text(yaml.safe_dump({**cfg, "seed": seed, "rounds": 50}))  # the plan's
     out = rmd.claim_results(claim)
     (setting,) = out["settings"]
     assert setting["setting"] == "random-pull-100"
@@ -145,6 +145,15 @@ def test_a_claim_is_judged_in_its_papers_metric_from_the_committed_cells(
     assert out["status"] == "1 of 2 methods done"
     doc = "\n".join(rmd.claims_section([out]))
     assert "| random-pull-100 | DFedADMM > DFedAvg | +10.50 | +2.94 | holds |" in doc
+    assert "(averaged model x̄, 50 rounds)" in doc
+    # a run of another round count is not a cell of this plan (a sweep file whose rounds were raised)
+    longer = evidence / claim.folder / "dfedadmm__seed=2" / "config.yaml"
+    longer.write_text(yaml.safe_dump({**yaml.safe_load(longer.read_text()), "rounds": 100}))
+    assert rmd.claim_results(claim)["settings"][0]["methods"][0]["seeds"] == [0, 1]
+    # the same claim run longer: its own sweep file and folder, the same paper numbers
+    long = next(c for c in rmd.CLAIMS if c.file == "dfedadmm-long")
+    assert (long.folder, long.ranking, long.paper) == ("claims-dfedadmm-long", claim.ranking, claim.paper)
+    assert rmd.claim_results(long)["rounds"] == 100
     # before any method has all its seeds, the claim counts its cells (and its table is shown)
     for case, seeds in (("dfedadmm", (1, 2)), ("dfedavg", (0, 1))):
         for seed in seeds:
