@@ -3,8 +3,9 @@
 # (pi 0.1, 0.3, 0.5), then DFedSAM's claim (../claims/dfedsam.yaml, seeds 0-2), then the parameter-server
 # baselines of the Ring on Flower (ps-ring-pi0.{1,3,5}.yaml, DePRL Table 7), then Random, then FC, then the
 # claims whose cells ran on a GPU with the batched engine (DFedPGP, DFedMDC, DFedADMM; about 3.5 hours
-# here) as the exact engine's cross-check, then DFedADMM's claim at 100 rounds; each (graph, pi) as three sweep files: DePRL
-# (epochs) seeds 0-2, then seed 0 of D-PSGD, the literal DePRL-steps variant and DisPFL, then their seeds 1-2.
+# here) as the exact engine's cross-check, then DFedADMM's claim at 100 rounds; each (graph, pi) as three
+# sweep files: DePRL (epochs) seeds 0-2, then seed 0 of D-PSGD, the literal DePRL-steps variant and
+# DisPFL, then their seeds 1-2.
 # The cells of a sweep that finished on a GPU (runs/reproduce/<name>-gpu, ../run_gpu.sh, batched engine)
 # are not run here again (`p2pfl sweep --only` the others; a sweep with none left is skipped), except the
 # claims' exact-engine cross-checks of the default order, and every cell with RERUN_GPU=1.
