@@ -157,11 +157,11 @@ def folders(file: str) -> tuple[str, str]:
     return with_gpu(folder(file))
 
 
-def first_evidence(names: Sequence[str], cell: str, rounds: int | None = None) -> Evidence | None:
-    """A cell's committed evidence from the first of the sweep folders ``names`` that has it (of ``rounds``
-    rounds, when given: a run of a sweep file's earlier round count is not a cell of its present plan)."""
+def first_evidence(names: Sequence[str], cell: str, rounds: int) -> Evidence | None:
+    """A cell's committed evidence from the first of the sweep folders ``names`` that has it, of its sweep
+    file's ``rounds`` (a run of the file's earlier round count is not a cell of its present plan)."""
     found = (read_evidence(EVIDENCE / f / cell) for f in names)
-    return next((e for e in found if e is not None and rounds in (None, e.rounds)), None)
+    return next((e for e in found if e is not None and e.rounds == rounds), None)
 
 
 def split(stem: str) -> tuple[str, str, str]:
@@ -429,7 +429,7 @@ def flattened(curves: list[list[tuple[int, float]]], rounds: int) -> tuple[bool 
 
 def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
     """One results.json entry per method of the group, pooling the seeds of its sweep files."""
-    planned: dict[str, list[tuple[str, int]]] = {}  # case -> (sweep file, seed), in file order
+    planned: dict[str, list[tuple[str, int, int]]] = {}  # case -> (sweep file, seed, rounds), in file order
     rounds = None
     for file in sweep.files:
         spec = load_sweep(TABLE1_DIR / f"{file}.yaml")
@@ -437,12 +437,12 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
         base = yaml.safe_load(spec.base.read_text())
         rounds = next((v for k, v in spec.overrides if k == "rounds"), base["rounds"])
         for case in spec.cases:
-            planned.setdefault(case.name, []).extend((file, s) for s in seeds)
+            planned.setdefault(case.name, []).extend((file, s, rounds) for s in seeds)
     out = []
     for case_name, where in planned.items():
         mdef = next(m for m in METHODS if m.case == case_name)
-        seeds = [s for _, s in where]
-        runs = [first_evidence(folders(f), cell_name(case_name, {"seed": s})) for f, s in where]
+        seeds = [s for _, s, _ in where]
+        runs = [first_evidence(folders(f), cell_name(case_name, {"seed": s}), r) for f, s, r in where]
         done = [e for e in runs if e is not None]
         mean, std = _mean_std([100 * e.final for e in done])
         avg_mean, avg_std = _mean_std([100 * e.avg_model_acc for e in done if e.avg_model_acc is not None])
