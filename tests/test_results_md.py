@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gzip
 import importlib.util
 import json
@@ -21,6 +22,12 @@ assert _spec and _spec.loader
 rmd = importlib.util.module_from_spec(_spec)
 sys.modules["results_md"] = rmd  # dataclasses look their module up
 _spec.loader.exec_module(rmd)
+
+
+@pytest.fixture
+def one_round_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests' runs are 1 round long, and collect copies only runs of their sweep file's planned rounds."""
+    monkeypatch.setattr(rmd, "folder_rounds", lambda: collections.defaultdict(lambda: 1))
 
 
 def test_difference_within_the_seeds_spread_is_not_distinguishable() -> None:
@@ -58,6 +65,7 @@ def test_flattened_compares_the_last_fifth_of_the_rounds() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("one_round_plans")
 def test_collect_copies_evidence_without_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     name = rmd.folder(rmd.SWEEPS[0].files[0])
     cell = tmp_path / "runs" / name / "deprl-epochs__seed=0"
@@ -73,8 +81,16 @@ def test_collect_copies_evidence_without_checkpoints(tmp_path: Path, monkeypatch
         assert f.read() == (cell / "metrics.jsonl").read_text()
     assert 0.0 <= json.loads((dst / "avg_model.json").read_text())["acc"] <= 1.0
     assert rmd.collect(tmp_path / "runs", evidence) == []  # unchanged runs are not copied again
+    # a run of fewer rounds than its sweep file plans (a shorter file's cell copied to be extended) is not
+    # a cell of the plan: not collected
+    shutil.copytree(cell, cell.with_name("dispfl__seed=0"))
+    monkeypatch.setattr(rmd, "folder_rounds", lambda: {name: 2})
+    assert rmd.collect(tmp_path / "runs", evidence) == [] and not (evidence / name / "dispfl__seed=0").exists()
+    monkeypatch.setattr(rmd, "folder_rounds", lambda: {name: 1})
+    assert rmd.collect(tmp_path / "runs", evidence) == [f"{name}/dispfl__seed=0"]
 
 
+@pytest.mark.usefixtures("one_round_plans")
 def test_restore_puts_committed_cells_back_so_a_fresh_checkout_does_not_rerun_them(tmp_path: Path) -> None:
     from p2pfl import sweep
 
@@ -111,6 +127,7 @@ def test_restore_puts_committed_cells_back_so_a_fresh_checkout_does_not_rerun_th
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("one_round_plans")
 def test_a_claim_is_judged_in_its_papers_metric_from_the_committed_cells(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """DFedADMM's claim is in x̄ (avg_model.json), not the personalized curve: each planned cell's evidence

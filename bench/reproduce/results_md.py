@@ -252,6 +252,23 @@ def _gzip_copy(src: Path, dst: Path) -> None:
 _COPIED = ("config.yaml", "summary.json")
 
 
+def sweep_rounds(file: Path) -> int:
+    """The rounds every cell of a sweep file runs (its ``set``, else its base config's)."""
+    spec = load_sweep(file)
+    return next((v for k, v in spec.overrides if k == "rounds"), yaml.safe_load(spec.base.read_text())["rounds"])
+
+
+def folder_rounds() -> dict[str, int]:
+    """Each planned sweep folder (Table 1's and the claims', with their ``-gpu`` twins): its file's rounds."""
+    files = {folder(f): TABLE1_DIR / f"{f}.yaml" for sweep in SWEEPS for f in sweep.files}
+    files |= {c.folder: CLAIMS_DIR / f"{c.file}.yaml" for c in CLAIMS}
+    out = {}
+    for name, path in files.items():
+        rounds = sweep_rounds(path)
+        out |= dict.fromkeys(with_gpu(name), rounds)
+    return out
+
+
 def _finished_cells(root: Path) -> Iterator[tuple[str, Path]]:
     """(sweep folder, cell folder) of every finished cell of the planned sweeps under ``root``
     (``runs/reproduce`` or the evidence), in sweep order, then by name."""
@@ -320,13 +337,16 @@ def _unpack(cell: Path, dst: Path) -> None:
 
 def collect(runs: Path, evidence: Path = EVIDENCE, sweeps: set[str] | None = None) -> list[str]:
     """Copy every finished cell of the planned sweeps (of those named in ``sweeps``, when given) into
-    ``evidence``; return the cells copied now."""
+    ``evidence``, if it ran its sweep file's rounds; return the cells copied now."""
     from p2pfl.report import ReportError, averaged_model_accuracy
 
     copied = []
+    rounds = folder_rounds()
     for name, cell in _finished_cells(runs):
         if sweeps is not None and name not in sweeps:
             continue
+        if json.loads((cell / "summary.json").read_text()).get("rounds") != rounds[name]:
+            continue  # not a cell of its file's plan: a run of fewer rounds, copied to be extended (table1/run.sh)
         if (cell / RESTORED).is_file():
             continue  # the evidence itself, put back by ``restore``: never copied over what is committed
         dst = evidence / name / cell.name
@@ -435,8 +455,7 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
     for file in sweep.files:
         spec = load_sweep(TABLE1_DIR / f"{file}.yaml")
         seeds = [s for key, values in spec.grid if key == "seed" for s in values]
-        base = yaml.safe_load(spec.base.read_text())
-        rounds = next((v for k, v in spec.overrides if k == "rounds"), base["rounds"])
+        rounds = sweep_rounds(TABLE1_DIR / f"{file}.yaml")
         for case in spec.cases:
             planned.setdefault(case.name, []).extend((file, s, rounds) for s in seeds)
     out = []
