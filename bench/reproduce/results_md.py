@@ -39,7 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from p2pfl.sweep import cell_name, load_sweep  # noqa: E402
+from p2pfl.sweep import SweepSpec, cell_name, load_sweep  # noqa: E402
 
 TABLE1_DIR = ROOT / "bench" / "reproduce" / "table1"
 DOCS = ROOT / "docs"
@@ -252,9 +252,8 @@ def _gzip_copy(src: Path, dst: Path) -> None:
 _COPIED = ("config.yaml", "summary.json")
 
 
-def sweep_rounds(file: Path) -> int:
+def sweep_rounds(spec: SweepSpec) -> int:
     """The rounds every cell of a sweep file runs (its ``set``, else its base config's)."""
-    spec = load_sweep(file)
     return next((v for k, v in spec.overrides if k == "rounds"), yaml.safe_load(spec.base.read_text())["rounds"])
 
 
@@ -264,7 +263,7 @@ def folder_rounds() -> dict[str, int]:
     files |= {c.folder: CLAIMS_DIR / f"{c.file}.yaml" for c in CLAIMS}
     out = {}
     for name, path in files.items():
-        rounds = sweep_rounds(path)
+        rounds = sweep_rounds(load_sweep(path))
         out |= dict.fromkeys(with_gpu(name), rounds)
     return out
 
@@ -455,7 +454,7 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
     for file in sweep.files:
         spec = load_sweep(TABLE1_DIR / f"{file}.yaml")
         seeds = [s for key, values in spec.grid if key == "seed" for s in values]
-        rounds = sweep_rounds(TABLE1_DIR / f"{file}.yaml")
+        rounds = sweep_rounds(spec)
         for case in spec.cases:
             planned.setdefault(case.name, []).extend((file, s, rounds) for s in seeds)
     out = []
