@@ -3,8 +3,8 @@
 # (pi 0.1, 0.3, 0.5), then DFedSAM's claim (../claims/dfedsam.yaml, seeds 0-2), then the parameter-server
 # baselines of the Ring on Flower (ps-ring-pi0.{1,3,5}.yaml, DePRL Table 7), then Random, then FC, then the
 # claims whose cells ran on a GPU with the batched engine (DFedPGP, DFedMDC, DFedADMM; about 3.5 hours
-# here) as the exact engine's cross-check, then DFedADMM's claim at 100 and 200 rounds (the
-# 200-round file extends the 100-round cells' checkpoints); each (graph, pi) as three
+# here) as the exact engine's cross-check, then DFedADMM's claim at 100, 200 and 300 rounds (each
+# longer file extends the shorter one's final checkpoints); each (graph, pi) as three
 # sweep files: DePRL (epochs) seeds 0-2, then seed 0 of D-PSGD, the literal DePRL-steps variant and
 # DisPFL, then their seeds 1-2.
 # The cells of a sweep that finished on a GPU (runs/reproduce/<name>-gpu, ../run_gpu.sh, batched engine)
@@ -50,7 +50,7 @@ if [ $# -eq 0 ]; then
   # claims whose cells ran on a GPU (batched engine, ../run_gpu.sh): the exact engine's cross-check, last
   CROSS="claims/dfedpgp claims/dfedmdc claims/dfedadmm"  # run here even though their GPU cells finished
   # then the claims run longer where their 50-round curves had not flattened (claims/*-long.yaml)
-  set -- "$@" $CROSS claims/dfedadmm-long claims/dfedadmm-long200
+  set -- "$@" $CROSS claims/dfedadmm-long claims/dfedadmm-long200 claims/dfedadmm-long300
 fi
 cd "$CODE"
 left_after_gpu() {  # left_after_gpu SWEEP_FILE FOLDER: the sweep's cells not finished in FOLDER, one a line
@@ -69,13 +69,22 @@ for sweep in "$@"; do
     *) name="t1-$sweep"; file="bench/reproduce/table1/$sweep.yaml" ;;
   esac
   only=() note=
-  # a claim's longer file (claims/<stem>-long<N>) starts from its shorter one's final checkpoints: a copy of
-  # that folder makes each of its finished cells `extendable` (p2pfl sweep), so only the added rounds run
-  if [[ "$sweep" =~ ^claims/(.+-long)[0-9]+$ ]] && shorter="claims-${BASH_REMATCH[1]}" \
-      && [ ! -e "$OUT/$name" ] && [ -d "$OUT/$shorter" ]; then
-    rm -rf "$OUT/$name.tmp" && cp -a "$OUT/$shorter" "$OUT/$name.tmp" && rm -f "$OUT/$name.tmp/sweep.json" \
-      && mv "$OUT/$name.tmp" "$OUT/$name" \
-      && echo "== $(date -u +%FT%TZ) $name: seeded from $shorter's final checkpoints" >> "$OUT/table1-progress.log"
+  # a claim's longer file (claims/<stem>-long<N>) starts from the final checkpoints of the longest shorter one
+  # run here (<stem>-long<M>, M < N, or <stem>-long): a copy of that folder makes each of its finished cells
+  # `extendable` (p2pfl sweep), so only the added rounds run
+  if [[ "$sweep" =~ ^claims/(.+-long)([0-9]+)$ ]] && [ ! -e "$OUT/$name" ]; then
+    stem=${BASH_REMATCH[1]} n=${BASH_REMATCH[2]} best=-1 shorter=
+    for d in "$OUT/claims-$stem" "$OUT/claims-$stem"[0-9]*; do
+      m=${d##*/claims-$stem}
+      if [ -d "$d" ] && [[ "${m:-0}" =~ ^[0-9]+$ ]] && [ "${m:-0}" -lt "$n" ] && [ "${m:-0}" -gt "$best" ]; then
+        best=${m:-0} shorter=${d##*/}
+      fi
+    done
+    if [ -n "$shorter" ]; then
+      rm -rf "$OUT/$name.tmp" && cp -a "$OUT/$shorter" "$OUT/$name.tmp" && rm -f "$OUT/$name.tmp/sweep.json" \
+        && mv "$OUT/$name.tmp" "$OUT/$name" \
+        && echo "== $(date -u +%FT%TZ) $name: seeded from $shorter's final checkpoints" >> "$OUT/table1-progress.log"
+    fi
   fi
   if [ -z "${RERUN_GPU:-}" ] && [[ " $CROSS " != *" $sweep "* ]] && [ -d "$OUT/$name-gpu" ] \
       && left=$(left_after_gpu "$file" "$OUT/$name-gpu"); then
