@@ -86,8 +86,8 @@ def test_collect_copies_evidence_without_checkpoints(tmp_path: Path, monkeypatch
     shutil.copytree(cell, cell.with_name("dispfl__seed=0"))
     monkeypatch.setattr(rmd, "folder_rounds", lambda: {name: 2})
     assert rmd.collect(tmp_path / "runs", evidence) == [] and not (evidence / name / "dispfl__seed=0").exists()
-    monkeypatch.setattr(rmd, "folder_rounds", lambda: {name: 1})
-    assert rmd.collect(tmp_path / "runs", evidence) == [f"{name}/dispfl__seed=0"]
+    # ... except for run_gpu.sh, which returns whatever its cells ran (the report judges the rounds)
+    assert rmd.collect(tmp_path / "runs", evidence, any_rounds=True) == [f"{name}/dispfl__seed=0"]
 
 
 @pytest.mark.usefixtures("one_round_plans")

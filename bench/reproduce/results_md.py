@@ -335,17 +335,19 @@ def _unpack(cell: Path, dst: Path) -> None:
             part.replace(dst / gz)
 
 
-def collect(runs: Path, evidence: Path = EVIDENCE, sweeps: set[str] | None = None) -> list[str]:
+def collect(runs: Path, evidence: Path = EVIDENCE, sweeps: set[str] | None = None,
+            any_rounds: bool = False) -> list[str]:
     """Copy every finished cell of the planned sweeps (of those named in ``sweeps``, when given) into
-    ``evidence``, if it ran its sweep file's rounds; return the cells copied now."""
+    ``evidence``, if it ran its sweep file's rounds (any with ``any_rounds``: run_gpu.sh returns what its
+    cells ran, and the report counts only runs of their file's rounds); return the cells copied now."""
     from p2pfl.report import ReportError, averaged_model_accuracy
 
     copied = []
-    rounds = folder_rounds()
+    rounds = None if any_rounds else folder_rounds()
     for name, cell in _finished_cells(runs):
         if sweeps is not None and name not in sweeps:
             continue
-        if json.loads((cell / "summary.json").read_text()).get("rounds") != rounds[name]:
+        if rounds is not None and json.loads((cell / "summary.json").read_text()).get("rounds") != rounds[name]:
             continue  # not a cell of its file's plan: a run of fewer rounds, copied to be extended (table1/run.sh)
         if (cell / RESTORED).is_file():
             continue  # the evidence itself, put back by ``restore``: never copied over what is committed

@@ -99,7 +99,8 @@ import sys
 from pathlib import Path
 sys.path.insert(0, "bench/reproduce")
 import results_md
-for name in results_md.collect(Path("runs/reproduce").resolve(), Path(sys.argv[1]), set(sys.argv[2:])):
+# any rounds: a SET may change them, and the report counts only runs of their sweep file's rounds
+for name in results_md.collect(Path("runs/reproduce").resolve(), Path(sys.argv[1]), set(sys.argv[2:]), any_rounds=True):
     print("collected", name)
 PYEOF
 tar czf "$OUT/gpu-evidence.tar.gz" -C "$EV" .
