@@ -171,7 +171,7 @@ def test_a_claim_is_judged_in_its_papers_metric_from_the_committed_cells(
     long = next(c for c in rmd.CLAIMS if c.file == "dfedadmm-long")
     assert (long.folder, long.ranking, long.paper) == ("claims-dfedadmm-long", claim.ranking, claim.paper)
     assert rmd.claim_results(long)["rounds"] == 100
-    for rounds in (200, 300):
+    for rounds in (200, 300, 400, 500):
         extended = next(c for c in rmd.CLAIMS if c.file == f"dfedadmm-long{rounds}")
         assert (extended.folder, extended.paper, rmd.claim_results(extended)["rounds"]) == (
             f"claims-dfedadmm-long{rounds}", claim.paper, rounds)

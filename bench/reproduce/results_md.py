@@ -222,6 +222,8 @@ CLAIMS = (
     replace(_DFEDADMM, file="dfedadmm-long"),
     replace(_DFEDADMM, file="dfedadmm-long200"),
     replace(_DFEDADMM, file="dfedadmm-long300"),
+    replace(_DFEDADMM, file="dfedadmm-long400"),
+    replace(_DFEDADMM, file="dfedadmm-long500"),
     ClaimDef("dfedsam", "dfedsam-t2", AVERAGED,
              (("dfedsam_mgs", "DFedSAM-MGS"), ("dfedsam", "DFedSAM"), ("dfedavg", "DFedAvg")),
              (("ring-100", (80.55, 73.19, 69.95)), ("grid-100", (87.39, 85.28, 80.17))),
