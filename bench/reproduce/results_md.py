@@ -220,10 +220,7 @@ _DFEDADMM = ClaimDef("dfedadmm", "dfedadmm-t1", AVERAGED, (("dfedadmm", "DFedADM
 CLAIMS = (
     _DFEDADMM,
     replace(_DFEDADMM, file="dfedadmm-long"),
-    replace(_DFEDADMM, file="dfedadmm-long200"),
-    replace(_DFEDADMM, file="dfedadmm-long300"),
-    replace(_DFEDADMM, file="dfedadmm-long400"),
-    replace(_DFEDADMM, file="dfedadmm-long500"),
+    *(replace(_DFEDADMM, file=f"dfedadmm-long{rounds}") for rounds in (200, 300, 400, 500)),
     ClaimDef("dfedsam", "dfedsam-t2", AVERAGED,
              (("dfedsam_mgs", "DFedSAM-MGS"), ("dfedsam", "DFedSAM"), ("dfedavg", "DFedAvg")),
              (("ring-100", (80.55, 73.19, 69.95)), ("grid-100", (87.39, 85.28, 80.17))),
