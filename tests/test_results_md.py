@@ -175,6 +175,12 @@ def test_a_claim_is_judged_in_its_papers_metric_from_the_committed_cells(
         extended = next(c for c in rmd.CLAIMS if c.file == f"dfedadmm-long{rounds}")
         assert (extended.folder, extended.paper, rmd.claim_results(extended)["rounds"]) == (
             f"claims-dfedadmm-long{rounds}", claim.paper, rounds)
+    e5 = next(c for c in rmd.CLAIMS if c.file == "dfedadmm-e5")
+    out = rmd.claim_results(e5)
+    assert (e5.folder, out["rounds"], out["protocol"]) == ("claims-dfedadmm-e5", 50, "5 local epochs")
+    assert {m["case"] for m in out["settings"][0]["methods"]} == {"dfedadmm", "dfedavg"}
+    out["status"] = "1 of 6 cells done"  # shown like a started claim: its heading names its protocol
+    assert "(averaged model x̄, 50 rounds, 5 local epochs)" in "\n".join(rmd.claims_section([out]))
     # before any method has all its seeds, the claim counts its cells (and its table is shown)
     for case, seeds in (("dfedadmm", (1, 2)), ("dfedavg", (0, 1))):
         for seed in seeds:

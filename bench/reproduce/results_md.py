@@ -197,6 +197,8 @@ class ClaimDef:
     source: str
     #: named variants: (case, label, the ranked case it stands in for); judged against the same neighbours
     variants: tuple[tuple[str, str, str], ...] = ()
+    #: where the file departs from base100.yaml's reduced protocol other than in rounds (its heading says it)
+    protocol: str = ""
 
     @property
     def folder(self) -> str:
@@ -216,11 +218,13 @@ _DFEDADMM = ClaimDef("dfedadmm", "dfedadmm-t1", AVERAGED, (("dfedadmm", "DFedADM
                      (("random-pull-100", (80.50, 77.56)),),
                      "DFedADMM Table 1, CIFAR-10 Dir 0.3 (LeNet-style CNN, 500 rounds, 5 epochs; spec 002 §5)")
 #: The other papers' claims (bench/reproduce/claims/*.yaml), 3 seeds each, each with its paper's metric.
-#: A ``-long`` file is the same claim at more rounds (its own sweep file, its own evidence folder).
+#: A ``-long`` file is the same claim at more rounds, ``-e5`` at 5 local epochs (each its own sweep file,
+#: its own evidence folder).
 CLAIMS = (
     _DFEDADMM,
     replace(_DFEDADMM, file="dfedadmm-long"),
     *(replace(_DFEDADMM, file=f"dfedadmm-long{rounds}") for rounds in (200, 300, 400, 500)),
+    replace(_DFEDADMM, file="dfedadmm-e5", protocol="5 local epochs"),
     ClaimDef("dfedsam", "dfedsam-t2", AVERAGED,
              (("dfedsam_mgs", "DFedSAM-MGS"), ("dfedsam", "DFedSAM"), ("dfedavg", "DFedAvg")),
              (("ring-100", (80.55, 73.19, 69.95)), ("grid-100", (87.39, 85.28, 80.17))),
@@ -590,7 +594,7 @@ def claim_results(claim: ClaimDef) -> dict[str, Any]:
     # no method complete yet but some cells are: say so (and show the claim's table), not "not run yet"
     progress = status(n_done, n_all, "methods done") if n_done else status(cells_done, cells_all, "cells done")
     return {"table": claim.table, "dataset": "fashion_mnist", "claim": claim.claim, "metric": claim.metric,
-            "rounds": rounds, "paper_source": claim.source, "settings": settings,
+            "rounds": rounds, "protocol": claim.protocol, "paper_source": claim.source, "settings": settings,
             "status": progress,
             "sweep_file": f"bench/reproduce/claims/{claim.file}.yaml"}
 
@@ -929,12 +933,15 @@ def claims_section(claims: list[dict[str, Any]]) -> list[str]:
            "(`run_gpu.sh`; on a CPU it equals the exact engine up to float reassociation, `tests/test_batched.py`, "
            "and on a GPU too with `tf32: false`, IEEE float32 convolutions; runs marked TF32 ran before that "
            "key existed, with PyTorch's default TF32 convolutions, a coarser rounding); the last column says which.", ""]
-    rows = [[c["table"], c["claim"], str(c["rounds"]), c["metric"], c["paper_source"], c["status"]] for c in claims]
+    rows = [[c["table"], c["claim"] + (f" ({c['protocol']})" if c["protocol"] else ""), str(c["rounds"]), c["metric"],
+             c["paper_source"], c["status"]] for c in claims]
     doc += md_table(["table", "claim", "rounds", "metric", "paper", "status"], rows) + [""]
     for c in claims:
         if c["status"] == NOT_RUN:
             continue
-        doc += [f"### {c['table']}: {c['claim']} ({c['metric'].split(':')[0].split(' (')[0]}, {c['rounds']} rounds)", "",
+        protocol = f", {c['protocol']}" if c["protocol"] else ""
+        doc += [f"### {c['table']}: {c['claim']} ({c['metric'].split(':')[0].split(' (')[0]}, {c['rounds']} rounds"
+                f"{protocol})", "",
                 f"Sweep file: `{c['sweep_file']}`.", ""]
         rows = []
         for st in c["settings"]:
