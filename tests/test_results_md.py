@@ -179,6 +179,12 @@ def test_a_claim_is_judged_in_its_papers_metric_from_the_committed_cells(
     out = rmd.claim_results(e5)
     assert (e5.folder, out["rounds"], out["protocol"]) == ("claims-dfedadmm-e5", 50, "5 local epochs")
     assert {m["case"] for m in out["settings"][0]["methods"]} == {"dfedadmm", "dfedavg"}
+    from p2pfl.sweep import load_sweep, plan_cells  # the label says what the sweep file runs
+
+    planned = plan_cells(load_sweep(rmd.CLAIMS_DIR / "dfedadmm-e5.yaml"), cores=2)
+    assert {c.config["algorithm"]["local_epochs"] for c in planned} == {5}
+    assert {c.config["algorithm"]["local_epochs"] for c in plan_cells(
+        load_sweep(rmd.CLAIMS_DIR / "dfedadmm.yaml"), cores=2)} == {1}
     out["status"] = "1 of 6 cells done"  # shown like a started claim: its heading names its protocol
     assert "(averaged model x̄, 50 rounds, 5 local epochs)" in "\n".join(rmd.claims_section([out]))
     # before any method has all its seeds, the claim counts its cells (and its table is shown)
