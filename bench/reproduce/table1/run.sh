@@ -49,7 +49,8 @@ if [ $# -eq 0 ]; then
   done
   # claims whose cells ran on a GPU (batched engine, ../run_gpu.sh): the exact engine's cross-check, last
   CROSS="claims/dfedpgp claims/dfedmdc claims/dfedadmm"  # run here even though their GPU cells finished
-  # then the claims run longer where their 50-round curves had not flattened (claims/*-long.yaml)
+  # then the claims run longer where their 50-round curves had not flattened (claims/*-long*.yaml),
+  # and DFedADMM's 50-round claim at the paper's 5 local epochs (claims/dfedadmm-e5.yaml)
   set -- "$@" $CROSS claims/dfedadmm-long claims/dfedadmm-long200 claims/dfedadmm-long300 \
     claims/dfedadmm-long400 claims/dfedadmm-long500 claims/dfedadmm-e5
 fi
