@@ -434,6 +434,13 @@ def averaged_model_accuracy(run_dir: str | Path, batch_size: int = 1000) -> dict
     For algorithms with personal heads the mean of the heads is part of x̄: the number is
     computable but is not what those papers report. Reads only the run's own checkpoint files
     (numpy, no pickle). Raises :class:`ReportError` when the run has no complete set of checkpoints.
+
+    A peer whose parameters are not finite (it diverged) makes x̄ non-finite, and x̄ then scores
+    chance: that is the paper's metric, reported as it is. So the result also names those peers
+    (``nonfinite_peers``) and, when there are any, scores the mean of the *other* peers' models
+    (``acc_finite_peers``, ``loss_finite_peers``): a diagnostic that says what the run's healthy
+    peers reached, never a substitute for ``acc``. A non-finite loss is written as ``None`` (JSON
+    has no NaN).
     """
     import torch
     import torch.nn.functional as F
@@ -453,28 +460,43 @@ def averaged_model_accuracy(run_dir: str | Path, batch_size: int = 1000) -> dict
     if missing:
         raise ReportError(f"{run}: no final checkpoint for {len(missing)} peers (e.g. {missing[0]})")
     total: torch.Tensor | None = None
-    rounds = set()
-    for path in paths:
+    finite_total: torch.Tensor | None = None
+    rounds, nonfinite = set(), []
+    for pid, path in zip(peers, paths, strict=True):
         state, _, _ = load_checkpoint(path)
         rounds.add(state.round)
-        total = state.params.double() if total is None else total + state.params.double()
+        params = state.params.double()
+        total = params if total is None else total + params
+        if not bool(torch.isfinite(params).all()):
+            nonfinite.append(pid)
+        else:
+            finite_total = params.clone() if finite_total is None else finite_total + params
     if len(rounds) != 1:
         raise ReportError(f"{run}: peers' checkpoints are of different rounds {sorted(rounds)}")
     assert total is not None
     model = exp.build_model()
-    exp.layout.bind(model, (total / len(paths)).float())
-    model.eval()
     data = exp.dataset
-    correct, loss_sum = 0, 0.0
-    with torch.no_grad():
-        for i in range(0, data.num_test, batch_size):
-            x, y = data.test_x[i:i + batch_size], data.test_y[i:i + batch_size]
-            out = model(x)
-            loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
-            correct += int((out.argmax(1) == y).sum())
-    n = data.num_test
-    return {"metric": "averaged model on the global test set", "acc": correct / n, "loss": loss_sum / n,
-            "peers": len(paths), "round": rounds.pop(), "test_examples": n}
+
+    def score(mean: torch.Tensor) -> tuple[float, float | None]:
+        exp.layout.bind(model, mean.float())
+        model.eval()
+        correct, loss_sum = 0, 0.0
+        with torch.no_grad():
+            for i in range(0, data.num_test, batch_size):
+                x, y = data.test_x[i:i + batch_size], data.test_y[i:i + batch_size]
+                out = model(x)
+                loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+                correct += int((out.argmax(1) == y).sum())
+        loss = loss_sum / data.num_test
+        return correct / data.num_test, (loss if math.isfinite(loss) else None)
+
+    acc, loss = score(total / len(paths))
+    result: dict[str, Any] = {"metric": "averaged model on the global test set", "acc": acc, "loss": loss,
+                              "peers": len(paths), "round": rounds.pop(), "test_examples": data.num_test,
+                              "nonfinite_peers": nonfinite}
+    if nonfinite and finite_total is not None:
+        result["acc_finite_peers"], result["loss_finite_peers"] = score(finite_total / (len(paths) - len(nonfinite)))
+    return result
 
 
 __all__ = ["Group", "Report", "ReportError", "Run", "averaged_model_accuracy", "find_runs", "flatten",

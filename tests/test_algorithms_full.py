@@ -162,8 +162,12 @@ def test_mgs_run_equals_w_power_of_trained_models(tmp_path: Path) -> None:
 
 # -- DFedADMM --------------------------------------------------------------------------------------
 def _admm_reference(model: torch.nn.Module, layout: ParamLayout, x0: torch.Tensor, dual: torch.Tensor,
-                    lam: float, lr: float, rho: float, seed: int) -> torch.Tensor:
-    """eq. 6 by hand (plain SGD; prox and dual terms at the unperturbed x), then the old-dual message."""
+                    lam: float, lr: float, rho: float, seed: int, clip: float = 0.0) -> torch.Tensor:
+    """eq. 6 by hand (plain SGD; prox and dual terms at the unperturbed x), then the old-dual message.
+
+    ``clip > 0``: the loss gradient alone is scaled to norm ``clip`` when longer (the eps of
+    ``torch.nn.utils.clip_grad_norm_``) before the dual and prox terms are added.
+    """
     flat = x0.clone()
     ctx = _ctx(model, layout, flat, seed=seed)
     params = list(model.parameters())
@@ -174,18 +178,23 @@ def _admm_reference(model: torch.nn.Module, layout: ParamLayout, x0: torch.Tenso
             grad = torch.cat([p.grad.reshape(-1) for p in params])
         else:
             grad = torch.cat([g.reshape(-1) for g in torch.autograd.grad(F.cross_entropy(model(x), y), params)])
+        if clip > 0:
+            grad = grad * min(1.0, clip / (float(grad.norm()) + 1e-6))
         with torch.no_grad():
             flat -= lr * (grad - dual + (flat - x0) / lam)
     return flat - lam * dual
 
 
-@pytest.mark.parametrize(("name", "semantics", "lam_eq"), [("dfedadmm", "prox_coef", 10.0),
-                                                          ("dfedadmm", "equation", 0.5),
-                                                          ("dfedadmm_sam", "prox_coef", 10.0)])
-def test_dfedadmm_local_step_dual_and_message(name: str, semantics: str, lam_eq: float) -> None:
+@pytest.mark.parametrize(("name", "semantics", "lam_eq", "clip"), [("dfedadmm", "prox_coef", 10.0, 0.0),
+                                                                  ("dfedadmm", "equation", 0.5, 0.0),
+                                                                  ("dfedadmm_sam", "prox_coef", 10.0, 0.0),
+                                                                  ("dfedadmm", "prox_coef", 10.0, 0.05),
+                                                                  ("dfedadmm_sam", "prox_coef", 10.0, 0.05)])
+def test_dfedadmm_local_step_dual_and_message(name: str, semantics: str, lam_eq: float, clip: float) -> None:
     model, layout = _model()
     lam_hp = 1.0 / lam_eq if semantics == "prox_coef" else lam_eq
-    algo = build_algorithm(name, {"lam": lam_hp, "lambda_semantics": semantics, "lr": 0.1}, layout)
+    algo = build_algorithm(name, {"lam": lam_hp, "lambda_semantics": semantics, "lr": 0.1, "grad_clip": clip},
+                           layout)
     assert algo.lam == pytest.approx(lam_eq)
     state = PeerState("p0", layout.flatten(model))
     algo.init_state(state, torch.Generator())
@@ -194,7 +203,11 @@ def test_dfedadmm_local_step_dual_and_message(name: str, semantics: str, lam_eq:
     for rnd in range(3):
         anchor, old = state.params.clone(), state.extra["dual"].clone()
         ref = _admm_reference(copy.deepcopy(model), layout, anchor, old, lam_eq, 0.1,
-                              rho=0.1 if name == "dfedadmm_sam" else 0.0, seed=rnd)
+                              rho=0.1 if name == "dfedadmm_sam" else 0.0, seed=rnd, clip=clip)
+        if clip > 0:  # the clip binds: without it the same round lands elsewhere
+            unclipped = _admm_reference(copy.deepcopy(model), layout, anchor, old, lam_eq, 0.1,
+                                        rho=0.1 if name == "dfedadmm_sam" else 0.0, seed=rnd)
+            assert float((unclipped - ref).abs().max()) > 1e-3
         ctx = _ctx(model, layout, state.params, seed=rnd)
         algo.local_update(state, ctx, rnd)
         z, scalars = algo.outgoing(state, rnd, 0)

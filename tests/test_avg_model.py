@@ -52,3 +52,34 @@ def test_averaged_model_accuracy_refuses_incomplete_checkpoints(tmp_path: Path) 
     (run / "checkpoints" / "p2.npz").unlink()
     with pytest.raises(ReportError, match="no final checkpoint"):
         averaged_model_accuracy(run)
+
+
+@pytest.mark.timeout(120)
+def test_a_diverged_peer_is_named_and_the_others_are_scored_apart(tmp_path: Path) -> None:
+    """A peer with non-finite parameters makes x̄ non-finite (the paper's metric, kept as it is); the
+    result names it and scores the mean of the other peers' models as a separate diagnostic."""
+    cfg = load_config(tiny_config(tmp_path, rounds=2, algorithm={"name": "dfedavg", "lr": 0.1, "local_epochs": 1}))
+    run = tmp_path / "run"
+    simulate(cfg, run, progress=False)
+    healthy = averaged_model_accuracy(run)
+    assert healthy["nonfinite_peers"] == [] and "acc_finite_peers" not in healthy
+
+    # the mean of p0, p1, p3 alone, scored through the function before p2 is broken: drop p2 from a copy
+    path = run / "checkpoints" / "p2.npz"
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k].copy() for k in z.files}
+    flats = []
+    for pid in ("p0", "p1", "p3"):
+        with np.load(run / "checkpoints" / f"{pid}.npz", allow_pickle=False) as z:
+            flats.append(z["params"].astype(np.float64))
+    arrays["params"] = np.mean(flats, axis=0).astype(arrays["params"].dtype)  # p2 := the others' mean
+    np.savez(path, **arrays)
+    others = averaged_model_accuracy(run)  # the mean of 4 where p2 is the mean of 3 = the mean of those 3
+
+    arrays["params"][:5] = np.nan  # p2 diverged
+    np.savez(path, **arrays)
+    got = averaged_model_accuracy(run)
+    assert got["nonfinite_peers"] == ["p2"] and got["peers"] == 4
+    assert got["loss"] is None  # x̄ itself is not finite: no loss to write
+    assert got["acc_finite_peers"] == pytest.approx(others["acc"], abs=1e-6)
+    assert got["loss_finite_peers"] == pytest.approx(others["loss"], rel=1e-5)

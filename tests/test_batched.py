@@ -30,7 +30,9 @@ from p2pfl.simulation import simulate
 from p2pfl.topology import generate
 from tests.conftest import records_without_times, tiny_config
 
-CASES = [(name, {}) for name in sorted(ALGORITHMS) if algorithm_class(name).batched] + [("dfedpgp", {"mix_mode": "push"})]
+CASES = [(name, {}) for name in sorted(ALGORITHMS) if algorithm_class(name).batched] + [
+    ("dfedpgp", {"mix_mode": "push"}), ("dfedadmm", {"grad_clip": 0.05})]  # a clip that binds: per-peer norms
+IDS = [n + ("-push" if e.get("mix_mode") == "push" else "") + ("-clip" if e.get("grad_clip") else "") for n, e in CASES]
 LIGHT = {"local_epochs": 1, "body_local": 1}
 DATA = {"dataset": "synthetic", "partition": {"kind": "dirichlet_per_class", "pi": 0.5}, "batch_size": 16,
         "params": {"num_classes": 4, "train_size": 400, "test_size": 200, "shape": [1, 8, 8], "seed": 1}}
@@ -87,7 +89,7 @@ def exact_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, dict]
 #: (``vmap`` on this CPU stands in for the GPU path) for every algorithm.
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("vectorize", [True, False], ids=["vmap", "loop"])
-@pytest.mark.parametrize("name, extra", CASES, ids=[f"{n}{'-push' if e else ''}" for n, e in CASES])
+@pytest.mark.parametrize("name, extra", CASES, ids=IDS)
 def test_batched_equals_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exact_runs: Any, name: str,
                               extra: dict, vectorize: bool) -> None:
     monkeypatch.setattr(context, "VECTORIZE", vectorize)
@@ -100,7 +102,7 @@ def test_batched_equals_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, e
 #: float32 matrix products take no TF32 shortcut by default).
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name, extra", CASES, ids=[f"{n}{'-push' if e else ''}" for n, e in CASES])
+@pytest.mark.parametrize("name, extra", CASES, ids=IDS)
 def test_batched_on_cuda_equals_exact_on_cpu(tmp_path: Path, exact_runs: Any, name: str, extra: dict) -> None:
     push = extra.get("mix_mode") == "push"
     _assert_agree(*exact_runs(name, extra), *_run(tmp_path, _algorithm(name, extra), "batched", push, "cuda"), push)
@@ -282,7 +284,7 @@ def test_checkpoints_taken_off_the_device_in_chunks_are_the_same_files(tmp_path:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name, extra", CASES, ids=[f"{n}{'-push' if e else ''}" for n, e in CASES])
+@pytest.mark.parametrize("name, extra", CASES, ids=IDS)
 def test_a_resumed_batched_run_equals_the_uninterrupted_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
                                                             extra: dict) -> None:
     """The batched engine keeps checkpoint generations and resumes from them as the exact engine does:

@@ -30,7 +30,7 @@ import shutil
 import statistics
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -224,7 +224,8 @@ CLAIMS = (
     _DFEDADMM,
     replace(_DFEDADMM, file="dfedadmm-long"),
     *(replace(_DFEDADMM, file=f"dfedadmm-long{rounds}") for rounds in (200, 300, 400, 500)),
-    replace(_DFEDADMM, file="dfedadmm-e5", protocol="5 local epochs"),
+    replace(_DFEDADMM, file="dfedadmm-e5", protocol="5 local epochs",
+            variants=(("dfedadmm-clip10", "DFedADMM (clip 10)", "dfedadmm"),)),
     ClaimDef("dfedsam", "dfedsam-t2", AVERAGED,
              (("dfedsam_mgs", "DFedSAM-MGS"), ("dfedsam", "DFedSAM"), ("dfedavg", "DFedAvg")),
              (("ring-100", (80.55, 73.19, 69.95)), ("grid-100", (87.39, 85.28, 80.17))),
@@ -393,6 +394,9 @@ class Evidence:
     runtime: str | None = None  # a Flower run: flwr-simulation-ray | in-process
     cpu_seconds_per_round: float | None = None
     engine: str = "exact (cpu)"  # simulation.engine (device) of the run
+    #: peers whose final parameters are not finite (they diverged: x̄ is then chance), and x̄ over the others
+    nonfinite_peers: list[str] = field(default_factory=list)
+    avg_model_acc_finite: float | None = None
 
 
 def read_evidence(folder: Path) -> Evidence | None:
@@ -407,9 +411,8 @@ def read_evidence(folder: Path) -> Evidence | None:
             if rec.get("acc") is not None:
                 per_round.setdefault(int(rec["round"]), []).append(float(rec["acc"]))
     curve = [(r, statistics.fmean(v)) for r, v in sorted(per_round.items())]
-    avg = None
-    if (folder / "avg_model.json").is_file():
-        avg = json.loads((folder / "avg_model.json").read_text()).get("acc")
+    avg_json = json.loads((folder / "avg_model.json").read_text()) if (folder / "avg_model.json").is_file() else {}
+    avg = avg_json.get("acc")
     sim = cfg.get("simulation") or {}
     device = str(cfg.get("device", "cpu"))
     if str(summary.get("mode", "")).startswith("flower-"):  # a parameter-server baseline on Flower's runtime
@@ -421,7 +424,9 @@ def read_evidence(folder: Path) -> Evidence | None:
                     final=curve[-1][1] if curve else float("nan"), rounds=int(cfg["rounds"]), avg_model_acc=avg,
                     wall_seconds_per_round=summary.get("wall_seconds_per_round"), runtime=summary.get("runtime"),
                     cpu_seconds_per_round=(json.loads((folder / "cpu.json").read_text()).get("cpu_seconds_per_round")
-                                           if (folder / "cpu.json").is_file() else None))
+                                           if (folder / "cpu.json").is_file() else None),
+                    nonfinite_peers=list(avg_json.get("nonfinite_peers", [])),
+                    avg_model_acc_finite=avg_json.get("acc_finite_peers"))
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
@@ -574,6 +579,11 @@ def claim_results(claim: ClaimDef) -> dict[str, Any]:
                 "wall_seconds_per_round": [_r(e.wall_seconds_per_round, 1) for e in done],
                 "engines": sorted({e.engine for e in done}),
                 "runs": [e.path for e in done],
+                # seeds where some peers diverged (non-finite parameters: x̄ is chance), with x̄ over the others
+                "diverged": [{"seed": e.seed, "peers": e.nonfinite_peers,
+                              "averaged_over_finite_peers": _r(100 * e.avg_model_acc_finite)
+                              if e.avg_model_acc_finite is not None else None}
+                             for e in done if e.nonfinite_peers],
             })
         ranked = [m for m in methods if not m["variant_of"]]
         judged = list(zip(ranked, ranked[1:], strict=False))
@@ -952,10 +962,29 @@ def claims_section(claims: list[dict[str, Any]]) -> list[str]:
                              ", ".join(m.get("engines", [])) or "—"])
         doc += md_table(["graph", "method", "ours (%)", "paper (%)", "flattened (gain, last 20 %)", "status",
                          "engine (device)"], rows) + [""]
+        doc += diverged_lines(c)
         rows = [[st["setting"], o["claim"], "—" if o["diff_pts"] is None else f"{o['diff_pts']:+.2f}",
                  f"{o['paper_diff_pts']:+.2f}", o["result"]] for st in c["settings"] for o in st["orderings"]]
         doc += md_table(["graph", "claim", "Δ ours (pts)", "Δ paper (pts)", "result"], rows) + [""]
     return doc
+
+
+def diverged_lines(claim: dict[str, Any]) -> list[str]:
+    """A note under a claim's table for every seed in which peers diverged: their non-finite parameters
+    make x̄ non-finite, so x̄ scores chance; x̄ over the other peers says what the healthy ones reached."""
+    out = []
+    for st in claim["settings"]:
+        for m in st["methods"]:
+            for d in m.get("diverged", []):
+                peers = d["peers"]
+                named = ", ".join(peers[:5]) + (f" and {len(peers) - 5} more" if len(peers) > 5 else "")
+                other = d["averaged_over_finite_peers"]
+                out.append(f"- {st['setting']}, {m['method']}, seed {d['seed']}: {len(peers)} peer"
+                           f"{'s' if len(peers) > 1 else ''} diverged (non-finite parameters: {named}), so x̄ is not "
+                           "finite and scores chance (counted so in the mean above). "
+                           + (f"x̄ over the other peers: {other:.2f} % (a diagnostic, not the paper's metric)."
+                              if other is not None else "No peer stayed finite."))
+    return out + [""] if out else []
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -57,10 +57,17 @@ class DFedADMM(Algorithm):
       same lambda is used in the prox term, the dual update and the message, so the identity
       ``z = x_i^t - lambda g_hat^t`` holds whatever the reading. ``validate`` refuses
       ``lr / lambda > 2`` (the theorem's ``eta <= 2 lambda``; beyond it eq. 6 diverges).
-    * **Local step** (checklist 1): exactly eq. 6, plain SGD: no momentum, no weight decay, no
-      clipping (none is a hyperparameter, so none can be switched on by mistake). The
-      loss gradient is computed by autograd, and the dual and prox terms are added to
-      ``p.grad`` analytically, at the current (unperturbed) point.
+    * **Local step** (checklist 1): exactly eq. 6, plain SGD: no momentum, no weight decay (neither
+      is a hyperparameter, so neither can be switched on by mistake). The loss gradient is
+      computed by autograd, and the dual and prox terms are added to ``p.grad`` analytically, at
+      the current (unperturbed) point.
+    * **Clipping** (``grad_clip``, default 0: none, as in the paper). The group's FedSpeed code
+      clips at norm 10 (spec 002 section 2.6); with ``grad_clip > 0`` the *loss* gradient is
+      clipped, before the dual and prox terms are added, so eq. 6's terms stay exact and Lemma 3
+      still holds with clipped gradients: the dual, an average of them, stays within the clip
+      norm. It exists for a named variant: at 5 local epochs a round with the paper's settings,
+      one peer in 100 can diverge (non-finite parameters), which makes the paper's metric x̄ (the
+      mean of every peer's model) meaningless (``docs/results.md``).
     * **Anchor**: the post-gossip model at the start of the round, a frozen copy for the round;
       it is recomputed each round, so it is not peer state.
     * **Dual** (checklist 2): ``state.extra["dual"]``, zero at start (``g_hat^{-1} = 0``),
@@ -80,7 +87,7 @@ class DFedADMM(Algorithm):
     name = "dfedadmm"
     shares = "all"
     defaults: ClassVar[dict[str, Any]] = {"lr": 0.1, "local_epochs": 1, "lr_decay": 1.0, "lam": 0.1,
-                                          "lambda_semantics": "prox_coef", "message_dual": "old"}
+                                          "lambda_semantics": "prox_coef", "message_dual": "old", "grad_clip": 0.0}
 
     # -- configuration ---------------------------------------------------------------------
     def validate(self) -> None:
@@ -125,7 +132,8 @@ class DFedADMM(Algorithm):
             return (p - anchors[name]).div_(lam).sub_(duals[name])
 
         loss = ctx.train("all", Phase(lr=self.lr("lr", round), amount=float(self.hp["local_epochs"]),
-                                      sam_rho=self.sam_rho()), grad_term=prox_dual)
+                                      sam_rho=self.sam_rho(), grad_clip=float(self.hp["grad_clip"])),
+                         grad_term=prox_dual)
         with torch.no_grad():
             new_dual = dual - (state.params - anchor) / lam  # g_hat^t
             # state.params <- z_i^t = x_K - lambda * (old or new dual); combine mixes it.
