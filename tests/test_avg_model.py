@@ -64,7 +64,7 @@ def test_a_diverged_peer_is_named_and_the_others_are_scored_apart(tmp_path: Path
     healthy = averaged_model_accuracy(run)
     assert healthy["nonfinite_peers"] == [] and "acc_finite_peers" not in healthy
 
-    # the mean of p0, p1, p3 alone, scored through the function before p2 is broken: drop p2 from a copy
+    # the reference: set p2 to the mean of p0, p1 and p3, so that x̄ of all four equals their mean, and score it
     path = run / "checkpoints" / "p2.npz"
     with np.load(path, allow_pickle=False) as z:
         arrays = {k: z[k].copy() for k in z.files}
