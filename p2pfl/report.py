@@ -470,7 +470,7 @@ def averaged_model_accuracy(run_dir: str | Path, batch_size: int = 1000) -> dict
         if not bool(torch.isfinite(params).all()):
             nonfinite.append(pid)
         else:
-            finite_total = params.clone() if finite_total is None else finite_total + params
+            finite_total = params if finite_total is None else finite_total + params
     if len(rounds) != 1:
         raise ReportError(f"{run}: peers' checkpoints are of different rounds {sorted(rounds)}")
     assert total is not None
