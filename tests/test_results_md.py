@@ -206,6 +206,23 @@ def test_a_claim_is_judged_in_its_papers_metric_from_the_committed_cells(
     assert "| random-pull-100 | DFedADMM | 80.00 (1 seed) |" in "\n".join(rmd.claims_section([out]))
 
 
+def test_a_claims_long_file_runs_the_same_cells_longer_against_the_same_paper_numbers() -> None:
+    """A ``-long`` file may change only ``rounds``: otherwise it would be another protocol under the same heading."""
+    from p2pfl.sweep import load_sweep, plan_cells
+
+    for short, long in (("dfedadmm", "dfedadmm-long"), ("dfedpgp", "dfedpgp-long")):
+        base = next(c for c in rmd.CLAIMS if c.file == short)
+        ext = next(c for c in rmd.CLAIMS if c.file == long)
+        assert (ext.folder, ext.table, ext.metric, ext.ranking, ext.paper, ext.source) == (
+            f"claims-{long}", base.table, base.metric, base.ranking, base.paper, base.source)
+        cells = {c.name: c.config for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{short}.yaml"), cores=2)}
+        longer = {c.name: c.config for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{long}.yaml"), cores=2)}
+        assert sorted(longer) == sorted(cells)
+        assert {c["rounds"] for c in longer.values()} == {100} and {c["rounds"] for c in cells.values()} == {50}
+        for name, config in cells.items():
+            assert {**longer[name], "rounds": 50} == config, name
+
+
 def test_a_named_variant_is_judged_against_the_neighbours_of_the_case_it_stands_for(tmp_path: Path,
                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rmd, "EVIDENCE", tmp_path)  # nothing finished
