@@ -210,7 +210,8 @@ def test_a_claims_long_file_runs_the_same_cells_longer_against_the_same_paper_nu
     """A ``-long`` file may change only ``rounds``: otherwise it would be another protocol under the same heading."""
     from p2pfl.sweep import load_sweep, plan_cells
 
-    for short, long in (("dfedadmm", "dfedadmm-long"), ("dfedpgp", "dfedpgp-long")):
+    for short, long, rounds in (("dfedadmm", "dfedadmm-long", 100), ("dfedadmm", "dfedadmm-long500", 500),
+                                ("dfedpgp", "dfedpgp-long", 100), ("dfedpgp", "dfedpgp-long200", 200)):
         base = next(c for c in rmd.CLAIMS if c.file == short)
         ext = next(c for c in rmd.CLAIMS if c.file == long)
         assert (ext.folder, ext.table, ext.metric, ext.ranking, ext.paper, ext.source) == (
@@ -218,7 +219,7 @@ def test_a_claims_long_file_runs_the_same_cells_longer_against_the_same_paper_nu
         cells = {c.name: c.config for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{short}.yaml"), cores=2)}
         longer = {c.name: c.config for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{long}.yaml"), cores=2)}
         assert sorted(longer) == sorted(cells)
-        assert {c["rounds"] for c in longer.values()} == {100} and {c["rounds"] for c in cells.values()} == {50}
+        assert {c["rounds"] for c in longer.values()} == {rounds} and {c["rounds"] for c in cells.values()} == {50}
         for name, config in cells.items():
             assert {**longer[name], "rounds": 50} == config, name
 

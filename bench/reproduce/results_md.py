@@ -241,6 +241,7 @@ CLAIMS = (
              (("dfedsmdc-rho0.05", "DFedSMDC (ρ 0.05)", "dfedsmdc"),)),
     _DFEDPGP,
     replace(_DFEDPGP, file="dfedpgp-long"),
+    replace(_DFEDPGP, file="dfedpgp-long200"),
 )
 
 
