@@ -211,11 +211,12 @@ def test_a_claims_long_file_runs_the_same_cells_longer_against_the_same_paper_nu
     from p2pfl.sweep import load_sweep, plan_cells
 
     for short, long, rounds in (("dfedadmm", "dfedadmm-long", 100), ("dfedadmm", "dfedadmm-long500", 500),
-                                ("dfedpgp", "dfedpgp-long", 100), ("dfedpgp", "dfedpgp-long200", 200)):
+                                ("dfedpgp", "dfedpgp-long", 100), ("dfedpgp", "dfedpgp-long200", 200),
+                                ("dfedsam", "dfedsam-long", 100), ("dfedmdc", "dfedmdc-long", 100)):
         base = next(c for c in rmd.CLAIMS if c.file == short)
         ext = next(c for c in rmd.CLAIMS if c.file == long)
-        assert (ext.folder, ext.table, ext.metric, ext.ranking, ext.paper, ext.source) == (
-            f"claims-{long}", base.table, base.metric, base.ranking, base.paper, base.source)
+        assert (ext.folder, ext.table, ext.metric, ext.ranking, ext.paper, ext.source, ext.variants) == (
+            f"claims-{long}", base.table, base.metric, base.ranking, base.paper, base.source, base.variants)
         cells = {c.name: c.config for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{short}.yaml"), cores=2)}
         longer = {c.name: c.config for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{long}.yaml"), cores=2)}
         assert sorted(longer) == sorted(cells)

@@ -221,6 +221,15 @@ _DFEDPGP = ClaimDef("dfedpgp", "dfedpgp-t6", PERSONALIZED, (("dfedpgp", "DFedPGP
                     (("random-pull-100", (49.16, 41.94)),),
                     "DFedPGP Table 6, Tiny-ImageNet pathological 10 classes per client (spec 001 §4); here 2 of "
                     "Fashion-MNIST's 10 classes per peer")
+_DFEDSAM = ClaimDef("dfedsam", "dfedsam-t2", AVERAGED,
+                    (("dfedsam_mgs", "DFedSAM-MGS"), ("dfedsam", "DFedSAM"), ("dfedavg", "DFedAvg")),
+                    (("ring-100", (80.55, 73.19, 69.95)), ("grid-100", (87.39, 85.28, 80.17))),
+                    "DFedSAM Table 2, CIFAR-10 (VGG-11, 1000 rounds, 5 epochs; partition not stated; spec 003 §4.2)")
+_DFEDMDC = ClaimDef("dfedmdc", "dfedmdc-t2", PERSONALIZED,
+                    (("dfedsmdc", "DFedSMDC"), ("dfedmdc", "DFedMDC"), ("dfedavgm", "DFedAvgM"), ("local", "Local")),
+                    (("random-pull-100", (87.67, 86.50, 82.60, 63.20)),),
+                    "DFedMDC Table 2, CIFAR-10 Dir 0.3 (ResNet-18, 500 rounds, 5 epochs; spec 000 §5)",
+                    (("dfedsmdc-rho0.05", "DFedSMDC (ρ 0.05)", "dfedsmdc"),))
 #: The other papers' claims (bench/reproduce/claims/*.yaml), 3 seeds each, each with its paper's metric.
 #: A ``-long`` file is the same claim at more rounds, ``-e5`` at 5 local epochs (each its own sweep file,
 #: its own evidence folder).
@@ -230,15 +239,10 @@ CLAIMS = (
     *(replace(_DFEDADMM, file=f"dfedadmm-long{rounds}") for rounds in (200, 300, 400, 500)),
     replace(_DFEDADMM, file="dfedadmm-e5", protocol="5 local epochs",
             variants=(("dfedadmm-clip10", "DFedADMM (clip 10)", "dfedadmm"),)),
-    ClaimDef("dfedsam", "dfedsam-t2", AVERAGED,
-             (("dfedsam_mgs", "DFedSAM-MGS"), ("dfedsam", "DFedSAM"), ("dfedavg", "DFedAvg")),
-             (("ring-100", (80.55, 73.19, 69.95)), ("grid-100", (87.39, 85.28, 80.17))),
-             "DFedSAM Table 2, CIFAR-10 (VGG-11, 1000 rounds, 5 epochs; partition not stated; spec 003 §4.2)"),
-    ClaimDef("dfedmdc", "dfedmdc-t2", PERSONALIZED,
-             (("dfedsmdc", "DFedSMDC"), ("dfedmdc", "DFedMDC"), ("dfedavgm", "DFedAvgM"), ("local", "Local")),
-             (("random-pull-100", (87.67, 86.50, 82.60, 63.20)),),
-             "DFedMDC Table 2, CIFAR-10 Dir 0.3 (ResNet-18, 500 rounds, 5 epochs; spec 000 §5)",
-             (("dfedsmdc-rho0.05", "DFedSMDC (ρ 0.05)", "dfedsmdc"),)),
+    _DFEDSAM,
+    replace(_DFEDSAM, file="dfedsam-long"),
+    _DFEDMDC,
+    replace(_DFEDMDC, file="dfedmdc-long"),
     _DFEDPGP,
     replace(_DFEDPGP, file="dfedpgp-long"),
     replace(_DFEDPGP, file="dfedpgp-long200"),

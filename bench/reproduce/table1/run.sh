@@ -5,8 +5,8 @@
 # claims whose cells ran on a GPU with the batched engine (DFedPGP, DFedMDC, DFedADMM; about 3.5 hours
 # here) as the exact engine's cross-check, then DFedADMM's claim at 100, 200, 300, 400 and 500 rounds (each
 # longer file extends the shorter one's final checkpoints), then at 5 local epochs, then DFedPGP's claim at
-# 100 and 200 rounds; each (graph, pi) as three sweep files: DePRL (epochs) seeds 0-2, then seed 0 of
-# D-PSGD, the literal DePRL-steps variant and DisPFL, then their seeds 1-2.
+# 100 and 200 rounds, then DFedMDC's and DFedSAM's at 100; each (graph, pi) as three sweep files: DePRL
+# (epochs) seeds 0-2, then seed 0 of D-PSGD, the literal DePRL-steps variant and DisPFL, then their seeds 1-2.
 # The cells of a sweep that finished on a GPU (runs/reproduce/<name>-gpu, ../run_gpu.sh, batched engine)
 # are not run here again (`p2pfl sweep --only` the others; a sweep with none left is skipped), except the
 # claims' exact-engine cross-checks of the default order, and every cell with RERUN_GPU=1.
@@ -51,10 +51,11 @@ if [ $# -eq 0 ]; then
   CROSS="claims/dfedpgp claims/dfedmdc claims/dfedadmm"  # run here even though their GPU cells finished
   # then the claims run longer where their 50-round curves had not flattened (claims/*-long*.yaml),
   # DFedADMM's 50-round claim at the paper's 5 local epochs (claims/dfedadmm-e5.yaml), and DFedPGP's at 100
-  # rounds (claims/dfedpgp-long.yaml, from round 0: the 50-round cells kept no checkpoints), then 200
+  # rounds (claims/dfedpgp-long.yaml, from round 0: the 50-round cells kept no checkpoints), then 200,
+  # then DFedMDC's and DFedSAM's at 100 rounds (from round 0 too)
   set -- "$@" $CROSS claims/dfedadmm-long claims/dfedadmm-long200 claims/dfedadmm-long300 \
     claims/dfedadmm-long400 claims/dfedadmm-long500 claims/dfedadmm-e5 claims/dfedpgp-long \
-    claims/dfedpgp-long200
+    claims/dfedpgp-long200 claims/dfedmdc-long claims/dfedsam-long
 fi
 cd "$CODE"
 left_after_gpu() {  # left_after_gpu SWEEP_FILE FOLDER: the sweep's cells not finished in FOLDER, one a line
