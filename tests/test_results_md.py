@@ -212,7 +212,8 @@ def test_a_claims_long_file_runs_the_same_cells_longer_against_the_same_paper_nu
 
     for short, long, rounds in (("dfedadmm", "dfedadmm-long", 100), ("dfedadmm", "dfedadmm-long500", 500),
                                 ("dfedpgp", "dfedpgp-long", 100), ("dfedpgp", "dfedpgp-long200", 200),
-                                ("dfedsam", "dfedsam-long", 100), ("dfedmdc", "dfedmdc-long", 100)):
+                                ("dfedsam", "dfedsam-long", 100), ("dfedmdc", "dfedmdc-long", 100),
+                                ("dfedmdc", "dfedmdc-long200", 200)):
         base = next(c for c in rmd.CLAIMS if c.file == short)
         ext = next(c for c in rmd.CLAIMS if c.file == long)
         assert (ext.folder, ext.table, ext.metric, ext.ranking, ext.paper, ext.source, ext.variants) == (

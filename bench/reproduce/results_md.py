@@ -243,6 +243,7 @@ CLAIMS = (
     replace(_DFEDSAM, file="dfedsam-long"),
     _DFEDMDC,
     replace(_DFEDMDC, file="dfedmdc-long"),
+    replace(_DFEDMDC, file="dfedmdc-long200"),
     _DFEDPGP,
     replace(_DFEDPGP, file="dfedpgp-long"),
     replace(_DFEDPGP, file="dfedpgp-long200"),
