@@ -713,25 +713,35 @@ def _start(out: Path, res: CellResult, slot: int = 0, cores: list[int] | None = 
     log = open(cell_dir / "log.txt", "ab" if resume else "wb")  # closed in _finish / _stop
     log.write(("$ " + " ".join(command) + "\n").encode())
     log.flush()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # Own session: a Ctrl-C in the terminal reaches only the sweep, which then stops each cell
-    # once (a second SIGINT during a cell's cleanup would leave its worker processes behind).
-    def before_exec() -> None:
-        _default_sigint()
-        if cores is not None:
-            os.sched_setaffinity(0, cores)
-
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                            preexec_fn=before_exec)
+    proc = spawn_cell(command, log, cores)
     res.status = "running"
     return _Running(res, proc, log, time.perf_counter(), slot)
 
 
-def _default_sigint() -> None:
-    """In the cell's process, before exec: a sweep started in the background (``cmd &``) inherits
-    an ignored SIGINT, which its cells would inherit too and then never stop cleanly on _stop."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def spawn_cell(command: list[str], log: IO[bytes], cores: list[int] | None = None) -> subprocess.Popen[bytes]:
+    """Start one cell's process in its own session (a Ctrl-C in the terminal reaches only the sweep,
+    which then stops each cell once: a second SIGINT during a cell's cleanup would leave its workers
+    behind), pinned to ``cores`` when given.
+
+    No ``preexec_fn``: with one, Popen forks instead of vforking, so the fork handlers of a gRPC
+    runtime already running in this process (a test session, a notebook that ran a peer) run in the
+    child and can abort it before exec (an event-engine poller on a closed descriptor: SIGABRT in
+    about 1 start in 10). A child inherits the affinity of the thread that starts it, so this thread
+    takes the cell's cores for the moment of the start. SIGINT: exec resets a handled signal to its
+    default; the sweep CLI handles SIGINT (``stoppable``) before any cell starts, so a sweep started
+    in the background, with SIGINT ignored, still gets cells that stop on it (a caller that leaves
+    SIGINT ignored gets cells that ``_stop`` kills after its grace instead; they resume all the same).
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    before = os.sched_getaffinity(0) if cores is not None else None
+    try:
+        if cores is not None:
+            os.sched_setaffinity(0, cores)  # this thread only (Linux): the sweep's other threads keep theirs
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    finally:
+        if before is not None:
+            os.sched_setaffinity(0, before)
 
 
 def stoppable() -> None:
@@ -778,5 +788,5 @@ def _stop(running: list[_Running]) -> None:
 
 
 __all__ = ["Case", "Cell", "CellResult", "SweepError", "SweepResult", "SweepSpec", "available_cores", "cell_name",
-           "cell_state", "default_out", "load_sweep", "parse_sweep", "plan_cells", "run_sweep", "simulate_command", "stoppable",
-           "write_index"]
+           "cell_state", "default_out", "load_sweep", "parse_sweep", "plan_cells", "run_sweep", "simulate_command",
+           "spawn_cell", "stoppable", "write_index"]

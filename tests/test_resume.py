@@ -109,8 +109,10 @@ def test_background_sweep_stops_on_sigterm_and_leaves_a_resumable_cell(tmp_path:
         return [int(p) for p in found]
 
     log = (tmp_path / "sweep.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "p2pfl.cli", "sweep", str(sweep), "--out", str(out), "--quiet"],
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    # started as `cmd &` starts it: SIGINT ignored (a shell's trap, not preexec_fn: forking this process,
+    # whose gRPC runtime may be running, can abort the child; see p2pfl.sweep.spawn_cell)
+    command = [sys.executable, "-m", "p2pfl.cli", "sweep", str(sweep), "--out", str(out), "--quiet"]
+    proc = subprocess.Popen(["sh", "-c", "trap '' INT; exec \"$@\"", "sh", *command],
                             stdout=log, stderr=subprocess.STDOUT)
 
     def said() -> str:
@@ -126,6 +128,8 @@ def test_background_sweep_stops_on_sigterm_and_leaves_a_resumable_cell(tmp_path:
             time.sleep(0.2)
         running = cell_pids()
         assert running  # the cell and its two worker processes
+        (cell_pid,) = [pid for pid in running if _parent(pid) == proc.pid]
+        assert not _ignores_sigint(cell_pid)  # the sweep ignored it at start; its cell must not
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 130
         time.sleep(0.5)
@@ -139,6 +143,15 @@ def test_background_sweep_stops_on_sigterm_and_leaves_a_resumable_cell(tmp_path:
     assert not (out / "base" / "summary.json").exists()
     cell = plan_cells(load_sweep(sweep))[0]
     assert can_resume(out / "base", cell.config)
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _ignores_sigint(pid: int) -> bool:
+    mask = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigIgn:"))
+    return bool(int(mask.split()[1], 16) >> (2 - 1) & 1)  # bit n-1 is signal n; SIGINT is 2
 
 
 def test_keep_generation_keeps_the_last_three_of_each_peer_including_a_resumed_runs(tmp_path: Path) -> None:
