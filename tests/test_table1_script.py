@@ -72,3 +72,21 @@ def test_a_long_claim_is_seeded_from_the_longest_shorter_folder_and_only_once(tm
     _run(out, recorder, "claims/dfedadmm-long300", "claims/dfedadmm")
     assert (seeded / "mark").read_text() == "100"
     assert not (out / "claims-dfedadmm").exists()
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs the git checkout")
+@pytest.mark.timeout(180)
+def test_a_sweep_file_missing_from_the_snapshot_is_named_and_nothing_is_seeded_or_run(tmp_path: Path) -> None:
+    # The snapshot's commit predates the file (a name no commit has stands in for it): the progress log names
+    # the file and the snapshot, the shorter folder is not copied, and no sweep starts; the next sweep still runs.
+    out = tmp_path / "reproduce"
+    recorder = tmp_path / "py"
+    recorder.write_text(f'#!/bin/sh\necho "$*" >> "{out}/py-calls.log"\n')
+    recorder.chmod(recorder.stat().st_mode | stat.S_IXUSR)
+    _folder(out, "claims-nosuchclaim-long", "100")
+    calls = _run(out, recorder, "claims/nosuchclaim-long200", "claims/dfedadmm")
+    progress = (out / "table1-progress.log").read_text()
+    assert "claims-nosuchclaim-long200: bench/reproduce/claims/nosuchclaim-long200.yaml is not in the code snapshot" in progress
+    assert not (out / "claims-nosuchclaim-long200").exists()
+    assert not any("nosuchclaim" in c for c in calls)
+    assert calls[-1].startswith("-m p2pfl.cli sweep bench/reproduce/claims/dfedadmm.yaml ")

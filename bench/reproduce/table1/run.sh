@@ -74,6 +74,12 @@ for sweep in "$@"; do
     claims/*) name="claims-${sweep#claims/}"; file="bench/reproduce/$sweep.yaml" ;;
     *) name="t1-$sweep"; file="bench/reproduce/table1/$sweep.yaml" ;;
   esac
+  # the sweep file comes from the snapshot too: a file added after its commit is not there (COMMIT names an older one)
+  if [ ! -f "$file" ]; then
+    echo "== $(date -u +%FT%TZ) $name: $file is not in the code snapshot $SHA; skipped (COMMIT=<a commit that has it>)" \
+      >> "$OUT/table1-progress.log"
+    continue
+  fi
   only=() note=
   # a claim's longer file (claims/<stem>-long<N>) starts from the final checkpoints of the longest shorter one
   # run here (<stem>-long<M>, M < N, or <stem>-long): a copy of that folder makes each of its finished cells
