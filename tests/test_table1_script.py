@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+needs_git = pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs the git checkout")
 
 
 def _folder(out: Path, name: str, mark: str, cell: bool = False) -> Path:
@@ -31,6 +32,14 @@ def _folder(out: Path, name: str, mark: str, cell: bool = False) -> Path:
     return d
 
 
+def _recorder(tmp_path: Path, out: Path) -> Path:
+    """A stand-in for ``PY`` that only logs its arguments to ``out/py-calls.log``."""
+    recorder = tmp_path / "py"
+    recorder.write_text(f'#!/bin/sh\necho "$*" >> "{out}/py-calls.log"\n')
+    recorder.chmod(recorder.stat().st_mode | stat.S_IXUSR)
+    return recorder
+
+
 def _run(out: Path, recorder: Path, *sweeps: str) -> list[str]:
     env = {**os.environ, "PY": str(recorder), "OUT": str(out), "COMMIT": "HEAD"}
     proc = subprocess.run(["bash", "bench/reproduce/table1/run.sh", *sweeps], cwd=ROOT, env=env,
@@ -39,13 +48,11 @@ def _run(out: Path, recorder: Path, *sweeps: str) -> list[str]:
     return (out / "py-calls.log").read_text().splitlines()
 
 
-@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs the git checkout")
+@needs_git
 @pytest.mark.timeout(180)
 def test_a_long_claim_is_seeded_from_the_longest_shorter_folder_and_only_once(tmp_path: Path) -> None:
     out = tmp_path / "reproduce"
-    recorder = tmp_path / "py"
-    recorder.write_text(f'#!/bin/sh\necho "$*" >> "{out}/py-calls.log"\n')
-    recorder.chmod(recorder.stat().st_mode | stat.S_IXUSR)
+    recorder = _recorder(tmp_path, out)
     _folder(out, "claims-dfedadmm-long", "100")
     _folder(out, "claims-dfedadmm-long200", "200", cell=True)
     _folder(out, "claims-dfedadmm-long250-gpu", "gpu")  # a GPU twin is not a source
@@ -74,15 +81,13 @@ def test_a_long_claim_is_seeded_from_the_longest_shorter_folder_and_only_once(tm
     assert not (out / "claims-dfedadmm").exists()
 
 
-@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs the git checkout")
+@needs_git
 @pytest.mark.timeout(180)
 def test_a_sweep_file_missing_from_the_snapshot_is_named_and_nothing_is_seeded_or_run(tmp_path: Path) -> None:
     # The snapshot's commit predates the file (a name no commit has stands in for it): the progress log names
     # the file and the snapshot, the shorter folder is not copied, and no sweep starts; the next sweep still runs.
     out = tmp_path / "reproduce"
-    recorder = tmp_path / "py"
-    recorder.write_text(f'#!/bin/sh\necho "$*" >> "{out}/py-calls.log"\n')
-    recorder.chmod(recorder.stat().st_mode | stat.S_IXUSR)
+    recorder = _recorder(tmp_path, out)
     _folder(out, "claims-nosuchclaim-long", "100")
     calls = _run(out, recorder, "claims/nosuchclaim-long200", "claims/dfedadmm")
     progress = (out / "table1-progress.log").read_text()
