@@ -207,7 +207,8 @@ def test_a_claim_is_judged_in_its_papers_metric_from_the_committed_cells(
 
 
 def test_a_claims_long_file_runs_the_same_cells_longer_against_the_same_paper_numbers() -> None:
-    """A ``-long`` file may change only ``rounds``: otherwise it would be another protocol under the same heading."""
+    """A ``-long`` file may change only ``rounds`` (and leave cases out): otherwise it would be another protocol
+    under the same heading."""
     from p2pfl.sweep import load_sweep, plan_cells
 
     for short, long, rounds in (("dfedadmm", "dfedadmm-long", 100), ("dfedadmm", "dfedadmm-long500", 500),
@@ -216,11 +217,16 @@ def test_a_claims_long_file_runs_the_same_cells_longer_against_the_same_paper_nu
                                 ("dfedmdc", "dfedmdc-long200", 200)):
         base = next(c for c in rmd.CLAIMS if c.file == short)
         ext = next(c for c in rmd.CLAIMS if c.file == long)
-        assert (ext.folder, ext.table, ext.metric, ext.ranking, ext.paper, ext.source, ext.variants) == (
-            f"claims-{long}", base.table, base.metric, base.ranking, base.paper, base.source, base.variants)
+        assert (ext.folder, ext.table, ext.metric, ext.ranking, ext.paper, ext.source) == (
+            f"claims-{long}", base.table, base.metric, base.ranking, base.paper, base.source)
+        assert set(ext.variants) <= set(base.variants)
         cells = {c.name: c.config for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{short}.yaml"), cores=2)}
         longer = {c.name: c.config for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{long}.yaml"), cores=2)}
-        assert sorted(longer) == sorted(cells)
+        # every ranked case and named variant of the longer claim runs there, and only cells of the shorter file
+        assert {str(c.case) for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{long}.yaml"), cores=2)} == {
+            case for case, *_ in ext.ranking + ext.variants}
+        assert set(longer) <= set(cells)
+        cells = {name: config for name, config in cells.items() if name in longer}
         assert {c["rounds"] for c in longer.values()} == {rounds} and {c["rounds"] for c in cells.values()} == {50}
         for name, config in cells.items():
             assert {**longer[name], "rounds": 50} == config, name
@@ -232,10 +238,15 @@ def test_a_named_variant_is_judged_against_the_neighbours_of_the_case_it_stands_
     out = rmd.claim_results(next(c for c in rmd.CLAIMS if c.file == "dfedmdc"))
     (setting,) = out["settings"]
     assert [o["claim"] for o in setting["orderings"]] == [
-        "DFedSMDC > DFedMDC", "DFedMDC > DFedAvgM", "DFedAvgM > Local", "DFedSMDC (ρ 0.05) > DFedMDC"]
+        "DFedSMDC > DFedMDC", "DFedMDC > DFedAvgM", "DFedAvgM > Local", "DFedSMDC (ρ 0.05) > DFedMDC",
+        "DFedSMDC (ρ 0.1) > DFedMDC", "DFedSMDC (ρ 0.3) > DFedMDC"]
     assert {o["result"] for o in setting["orderings"]} == {rmd.NOT_RUN} and out["status"] == rmd.NOT_RUN
-    variant = next(m for m in setting["methods"] if m["variant_of"])
-    assert (variant["case"], variant["paper"], variant["seeds_planned"]) == ("dfedsmdc-rho0.05", 87.67, [0, 1, 2])
+    variants = [m for m in setting["methods"] if m["variant_of"]]
+    assert [(v["case"], v["paper"], v["seeds_planned"]) for v in variants] == [
+        (f"dfedsmdc-rho{rho}", 87.67, [0, 1, 2]) for rho in ("0.05", "0.1", "0.3")]
+    # the 200-round file runs the sweep's ends only
+    long200 = rmd.claim_results(next(c for c in rmd.CLAIMS if c.file == "dfedmdc-long200"))
+    assert [m["case"] for m in long200["settings"][0]["methods"] if m["variant_of"]] == ["dfedsmdc-rho0.05"]
 
 
 def test_the_paper_model_has_the_tighter_target() -> None:

@@ -231,8 +231,8 @@ _DFEDMDC = ClaimDef("dfedmdc", "dfedmdc-t2", PERSONALIZED,
                     "DFedMDC Table 2, CIFAR-10 Dir 0.3 (ResNet-18, 500 rounds, 5 epochs; spec 000 §5)",
                     (("dfedsmdc-rho0.05", "DFedSMDC (ρ 0.05)", "dfedsmdc"),))
 #: The other papers' claims (bench/reproduce/claims/*.yaml), 3 seeds each, each with its paper's metric.
-#: A ``-long`` file is the same claim at more rounds, ``-e5`` at 5 local epochs (each its own sweep file,
-#: its own evidence folder).
+#: A ``-long`` file is the same claim at more rounds (all of the shorter file's cells, or some), ``-e5`` at 5
+#: local epochs (each its own sweep file, its own evidence folder).
 CLAIMS = (
     _DFEDADMM,
     replace(_DFEDADMM, file="dfedadmm-long"),
@@ -241,7 +241,9 @@ CLAIMS = (
             variants=(("dfedadmm-clip10", "DFedADMM (clip 10)", "dfedadmm"),)),
     _DFEDSAM,
     replace(_DFEDSAM, file="dfedsam-long"),
-    _DFEDMDC,
+    # the 50-round file also runs the rest of spec 000's rho sweep (0.1, 0.3); its -long files run 0.05 and 0.7
+    replace(_DFEDMDC, variants=_DFEDMDC.variants + (("dfedsmdc-rho0.1", "DFedSMDC (ρ 0.1)", "dfedsmdc"),
+                                                    ("dfedsmdc-rho0.3", "DFedSMDC (ρ 0.3)", "dfedsmdc"))),
     replace(_DFEDMDC, file="dfedmdc-long"),
     replace(_DFEDMDC, file="dfedmdc-long200"),
     _DFEDPGP,
