@@ -22,6 +22,7 @@ Prints one line per folder, then one JSON line with every folder's figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import statistics
@@ -100,11 +101,17 @@ def feature_spread(folder: Path, cfg: dict[str, Any], dataset: Any) -> float | N
     return statistics.fmean(spreads)
 
 
-def diagnose(folder: Path) -> dict[str, Any]:
+@functools.cache
+def _dataset(name: str) -> Any:
+    """Loaded once per name: every folder of a call usually shares one dataset."""
     from p2pfl.data.datasets import load_dataset
 
+    return load_dataset(name)
+
+
+def diagnose(folder: Path) -> dict[str, Any]:
     cfg = yaml.safe_load((folder / "config.yaml").read_text())
-    dataset = load_dataset(str(cfg["data"]["dataset"]))
+    dataset = _dataset(str(cfg["data"]["dataset"]))
     with _open(folder, "partition.json") as f:
         partition = json.load(f)
     last, accs = final_accuracies(folder)
