@@ -214,12 +214,16 @@ def test_a_claims_long_file_runs_the_same_cells_longer_against_the_same_paper_nu
     for short, long, rounds in (("dfedadmm", "dfedadmm-long", 100), ("dfedadmm", "dfedadmm-long500", 500),
                                 ("dfedpgp", "dfedpgp-long", 100), ("dfedpgp", "dfedpgp-long200", 200),
                                 ("dfedsam", "dfedsam-long", 100), ("dfedmdc", "dfedmdc-long", 100),
-                                ("dfedmdc", "dfedmdc-long200", 200)):
+                                ("dfedmdc", "dfedmdc-long200", 200), ("dfedsam-e5", "dfedsam-e5-long", 100)):
         base = next(c for c in rmd.CLAIMS if c.file == short)
         ext = next(c for c in rmd.CLAIMS if c.file == long)
-        assert (ext.folder, ext.table, ext.metric, ext.ranking, ext.paper, ext.source) == (
-            f"claims-{long}", base.table, base.metric, base.ranking, base.paper, base.source)
+        assert (ext.folder, ext.table, ext.metric, ext.ranking, ext.source, ext.protocol) == (
+            f"claims-{long}", base.table, base.metric, base.ranking, base.source, base.protocol)
         assert set(ext.variants) <= set(base.variants)
+        # it may leave settings out, never change the paper's numbers of the ones it runs, and runs exactly those
+        assert set(ext.paper) <= set(base.paper)
+        assert {Path(str(c.config["topology"])).stem for c in plan_cells(
+            load_sweep(rmd.CLAIMS_DIR / f"{long}.yaml"), cores=2)} == {setting for setting, _ in ext.paper}
         cells = {c.name: c.config for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{short}.yaml"), cores=2)}
         longer = {c.name: c.config for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{long}.yaml"), cores=2)}
         # every ranked case and named variant of the longer claim runs there, and only cells of the shorter file

@@ -52,11 +52,12 @@ if [ $# -eq 0 ]; then
   # then the claims run longer where their 50-round curves had not flattened (claims/*-long*.yaml),
   # DFedADMM's 50-round claim at the paper's 5 local epochs (claims/dfedadmm-e5.yaml), and DFedPGP's at 100
   # rounds (claims/dfedpgp-long.yaml, from round 0: the 50-round cells kept no checkpoints), then 200,
-  # then DFedMDC's and DFedSAM's at 100 rounds (from round 0 too), then DFedMDC's at 200
+  # then DFedMDC's and DFedSAM's at 100 rounds (from round 0 too), then DFedMDC's at 200, then DFedSAM's
+  # claim at 5 local epochs (claims/dfedsam-e5.yaml) and its grid cells at 100 rounds (from round 0)
   set -- "$@" $CROSS claims/dfedadmm-long claims/dfedadmm-long200 claims/dfedadmm-long300 \
     claims/dfedadmm-long400 claims/dfedadmm-long500 claims/dfedadmm-e5 claims/dfedpgp-long \
     claims/dfedpgp-long200 claims/dfedmdc-long claims/dfedsam-long \
-    claims/dfedmdc-long200
+    claims/dfedmdc-long200 claims/dfedsam-e5 claims/dfedsam-e5-long
 fi
 cd "$CODE"
 left_after_gpu() {  # left_after_gpu SWEEP_FILE FOLDER: the sweep's cells not finished in FOLDER, one a line
