@@ -169,6 +169,14 @@ def test_a_claim_is_judged_in_its_papers_metric_from_the_committed_cells(
     assert "(averaged model x̄, 50 rounds)" in doc
     assert ("- random-pull-100, DFedADMM, seed 1: 1 peer diverged (non-finite parameters: p4), so x̄ is not finite"
             in doc and "x̄ over the other peers: 86.00 % (a diagnostic, not the paper's metric)." in doc)
+    # its plot, linked under its tables, drawn from the curves results.json keeps (one panel per setting)
+    assert set(admm["curves"]) == {"0", "1", "2"} and [r for r, _ in admm["curves"]["0"]] == [1]
+    doc = "\n".join(rmd.claims_section([out], tmp_path / "fig"))
+    assert (tmp_path / "fig" / "claims-dfedadmm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Plot: [claims-dfedadmm](results/claims-dfedadmm.png)" in doc and "cross = our final x̄" in doc
+    bare = {**out, "settings": [{**setting, "methods": [{**m, "curves": {}} for m in setting["methods"]]}]}
+    assert rmd.plot_claim(bare, tmp_path / "fig" / "none.png") is None  # nothing finished: no figure
+    assert "Plot:" not in "\n".join(rmd.claims_section([bare], tmp_path / "fig"))
     # a run of another round count is not a cell of this plan (a sweep file whose rounds were raised)
     longer = evidence / claim.folder / "dfedadmm__seed=2" / "config.yaml"
     longer.write_text(yaml.safe_dump({**yaml.safe_load(longer.read_text()), "rounds": 100}))

@@ -8,7 +8,9 @@ Three steps, each re-runnable at any time (unfinished cells are listed as "not r
    run's final checkpoints, which are never copied);
 2. **results.json**: one entry per Table 1 cell (and per variant, smoke cell and claim), computed
    only from the committed evidence, so anyone can re-derive it from the repository;
-3. **results.md** and its plots, generated from results.json alone.
+3. **results.md** and its plots (``docs/results/t1-*.png``: Table 1 per graph and π;
+   ``docs/results/claims-*.png``: each claim's sweep file, one panel per setting), generated from
+   results.json alone.
 
 Every verdict is computed from mean ± std over seeds; a difference within the seeds' spread is
 "not distinguishable". The papers' numbers are transcribed from ``/work/shared/spec/*.md``.
@@ -593,6 +595,7 @@ def claim_results(claim: ClaimDef) -> dict[str, Any]:
                 "wall_seconds_per_round": [_r(e.wall_seconds_per_round, 1) for e in done],
                 "engines": sorted({e.engine for e in done}),
                 "runs": [e.path for e in done],
+                "curves": {str(e.seed): [[r + 1, round(100 * a, 3)] for r, a in e.curve] for e in done},
                 # seeds where some peers diverged (non-finite parameters: x̄ is chance), with x̄ over the others
                 "diverged": [{"seed": e.seed, "peers": e.nonfinite_peers,
                               "averaged_over_finite_peers": _r(100 * e.avg_model_acc_finite)
@@ -679,19 +682,23 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return out + ["| " + " | ".join(r) + " |" for r in esc[1:]]
 
 
-def plot(cells: list[dict[str, Any]], title: str, out: Path) -> Path | None:
-    """Accuracy vs round per method: seed mean, min-max band over seeds, the paper's value dashed."""
-    done = [c for c in cells if c["curves"]]
-    if not done:
-        return None
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _draw(ax: Any, entries: list[dict[str, Any]], ylabel: str, paper_note: str = "",
+          final_key: str | None = None, legend_below: bool = False) -> None:
+    """One panel: per method the seed-mean curve with its min-max band, the paper's value dashed, and with
+    `final_key` (the claims in x̄) our final x̄ mean as a marker at the last round, the paper's metric. A variant
+    (`variant_of`) shares its case's paper number, so only the case draws it."""
     from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, c in enumerate(done):
+    for i, c in enumerate(entries):
         color = f"C{i}"
         curves = list(c["curves"].values())
         rounds = sorted(set.intersection(*(set(r for r, _ in cv) for cv in curves)))
@@ -700,18 +707,61 @@ def plot(cells: list[dict[str, Any]], title: str, out: Path) -> Path | None:
                 label=f"{c['method']} (ours, {len(curves)} seed{'s' if len(curves) > 1 else ''})")
         if len(curves) > 1:
             ax.fill_between(rounds, [min(v) for v in vals], [max(v) for v in vals], color=color, alpha=0.2)
-        ax.axhline(c["paper"], color=color, linestyle="--", linewidth=1, label=f"{c['method']}: paper {c['paper']:.2f}")
+        final = c[final_key]["mean"] if final_key else None
+        if final is not None and rounds:
+            ax.plot([rounds[-1]], [final], color=color, marker="X", markersize=8, linestyle="none",
+                    label=f"{c['method']}: x̄ (ours) {final:.2f}")
+        if not c.get("variant_of"):
+            ax.axhline(c["paper"], color=color, linestyle="--", linewidth=1,
+                       label=f"{c['method']}: paper {c['paper']:.2f}{paper_note}")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
-    ax.set_ylabel("accuracy (%), each peer's own test split")
-    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    if legend_below:
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    else:
+        ax.legend(fontsize=7, loc="lower right", ncol=2)
+
+
+def _save(fig: Any, out: Path) -> Path:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
-    plt.close(fig)
+    _pyplot().close(fig)
     return out
+
+
+def plot(cells: list[dict[str, Any]], title: str, out: Path) -> Path | None:
+    """Accuracy vs round per method: seed mean, min-max band over seeds, the paper's value dashed."""
+    done = [c for c in cells if c["curves"]]
+    if not done:
+        return None
+    fig, ax = _pyplot().subplots(figsize=(7, 4.2))
+    _draw(ax, done, "accuracy (%), each peer's own test split")
+    ax.set_title(title, fontsize=10)
+    return _save(fig, out)
+
+
+def plot_claim(claim: dict[str, Any], out: Path) -> Path | None:
+    """A claim's figure, one panel per setting: the personalized curve (recorded every few rounds), and for
+    the claims in x̄ the final x̄ beside it. The paper's numbers come from another dataset and model
+    (only the ranking is compared), so their dashed lines mark the paper's order, not a level to reach."""
+    settings = [(st["setting"], [m for m in st["methods"] if m.get("curves")]) for st in claim["settings"]]
+    settings = [(name, ms) for name, ms in settings if ms]
+    if not settings:
+        return None
+    rows = max(len(ms) for _, ms in settings)  # legend rows below the panel: up to 3 entries a method, 2 columns
+    fig, axes = _pyplot().subplots(1, len(settings), figsize=(6.2 * len(settings), 3.6 + 0.17 * 1.5 * rows),
+                                   squeeze=False)
+    averaged = claim["metric"] == AVERAGED
+    for ax, (name, methods) in zip(axes[0], settings, strict=True):
+        _draw(ax, methods, "personalized accuracy (%)",
+              paper_note=" (x̄, other data)" if averaged else " (other data)",
+              final_key="averaged" if averaged else None, legend_below=True)
+        ax.set_title(f"{claim['table']} ({Path(claim['sweep_file']).stem}): {name}, {claim['rounds']} rounds"
+                     + (f", {claim['protocol']}" if claim["protocol"] else ""), fontsize=9)
+    return _save(fig, out)
 
 
 def table7_section(cells: list[dict[str, Any]]) -> list[str]:
@@ -924,7 +974,7 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         doc += ["Plots (accuracy vs round; line = mean over seeds, band = min–max over seeds, dashed = the paper's "
                 "value): " + (", ".join(figs) if figs else "none yet (no finished run)") + ".", ""]
 
-    doc += claims_section(results["claims"])
+    doc += claims_section(results["claims"], out.parent / "results" if plots else None)
 
     doc += ["## Discussion", "", DISCUSSION_OPEN, discussion_text(out), DISCUSSION_CLOSE, ""]
     doc += ["## Run folders", ""]
@@ -941,7 +991,7 @@ def run_folder_rows(cells: list[dict[str, Any]]) -> list[list[str]]:
             for c in cells for p, seed, wall in zip(c["runs"], c["seeds"], c["wall_seconds_per_round"], strict=True)]
 
 
-def claims_section(claims: list[dict[str, Any]]) -> list[str]:
+def claims_section(claims: list[dict[str, Any]], figdir: Path | None = None) -> list[str]:
     """The other papers' claims: one table per claim (each method in the paper's metric, the paper's number
     beside it) and the verdict of each consecutive pair of the paper's ranking."""
     doc = ["## The other papers' claims", "",
@@ -980,6 +1030,12 @@ def claims_section(claims: list[dict[str, Any]]) -> list[str]:
         rows = [[st["setting"], o["claim"], "—" if o["diff_pts"] is None else f"{o['diff_pts']:+.2f}",
                  f"{o['paper_diff_pts']:+.2f}", o["result"]] for st in c["settings"] for o in st["orderings"]]
         doc += md_table(["graph", "claim", "Δ ours (pts)", "Δ paper (pts)", "result"], rows) + [""]
+        p = plot_claim(c, figdir / f"claims-{Path(c['sweep_file']).stem}.png") if figdir else None
+        if p:
+            doc += [f"Plot: [{p.stem}](results/{p.name}) (line = mean over seeds of the personalized accuracy, "
+                    "band = min–max over seeds"
+                    + (", cross = our final x̄, the paper's metric" if c["metric"] == AVERAGED else "")
+                    + ", dashed = the paper's number on its own dataset and model).", ""]
     return doc
 
 
