@@ -229,12 +229,13 @@ def test_a_claims_long_file_runs_the_same_cells_longer_against_the_same_paper_nu
             f"claims-{long}", base.table, base.metric, base.ranking, base.source, base.protocol)
         assert set(ext.variants) <= set(base.variants)
         cells = {c.name: c.config for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{short}.yaml"), cores=2)}
-        longer = {c.name: c.config for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{long}.yaml"), cores=2)}
+        planned = plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{long}.yaml"), cores=2)
+        longer = {c.name: c.config for c in planned}
         # it may leave settings out, never change the paper's numbers of the ones it runs, and runs exactly those
         assert set(ext.paper) <= set(base.paper)
         assert {Path(str(c["topology"])).stem for c in longer.values()} == {setting for setting, _ in ext.paper}
         # every ranked case and named variant of the longer claim runs there, and only cells of the shorter file
-        assert {str(c.case) for c in plan_cells(load_sweep(rmd.CLAIMS_DIR / f"{long}.yaml"), cores=2)} == {
+        assert {str(c.case) for c in planned} == {
             case for case, *_ in ext.ranking + ext.variants}
         assert set(longer) <= set(cells)
         cells = {name: config for name, config in cells.items() if name in longer}

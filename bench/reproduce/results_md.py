@@ -445,6 +445,11 @@ def read_evidence(folder: Path) -> Evidence | None:
                     avg_model_acc_finite=avg_json.get("acc_finite_peers"))
 
 
+def curves_of(done: Sequence[Evidence]) -> dict[str, list[list[float]]]:
+    """Each seed's personalized curve as results.json keeps it: [1-based round, accuracy in %, 3 decimals]."""
+    return {str(e.seed): [[r + 1, round(100 * a, 3)] for r, a in e.curve] for e in done}
+
+
 def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
     if not values:
         return None, None
@@ -512,7 +517,7 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
                 "cpu_seconds_per_round": [_r(e.cpu_seconds_per_round, 1) for e in done]}
                if case_name in PS_CASES else {}),
             "runs": [e.path for e in done],
-            "curves": {str(e.seed): [[r + 1, round(100 * a, 3)] for r, a in e.curve] for e in done},
+            "curves": curves_of(done),
             # each seed's final accuracy rounded once (a curve point is already rounded to 3 decimals)
             "finals": {str(e.seed): _r(100 * e.final) for e in done},
             "sweep_files": [f"bench/reproduce/table1/{f}.yaml" for f in sweep.files],
@@ -595,7 +600,7 @@ def claim_results(claim: ClaimDef) -> dict[str, Any]:
                 "wall_seconds_per_round": [_r(e.wall_seconds_per_round, 1) for e in done],
                 "engines": sorted({e.engine for e in done}),
                 "runs": [e.path for e in done],
-                "curves": {str(e.seed): [[r + 1, round(100 * a, 3)] for r, a in e.curve] for e in done},
+                "curves": curves_of(done),
                 # seeds where some peers diverged (non-finite parameters: x̄ is chance), with x̄ over the others
                 "diverged": [{"seed": e.seed, "peers": e.nonfinite_peers,
                               "averaged_over_finite_peers": _r(100 * e.avg_model_acc_finite)
@@ -956,9 +961,9 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         doc += ["Orderings after 10 rounds: " + "; ".join(f"{o['claim']} {o['diff_pts']:+.2f} pts: {o['result']}"
                                                         for o in smoke_ord) + ".", ""]
 
+    figdir = out.parent / "results"
     if plots:
         figs = []
-        figdir = out.parent / "results"
         for key, group, title in (
             ("smoke-ring-pi0.1", smoke, "SMOKE (10 rounds): Ring, π=0.1, 128 peers"),
             *[(f"{g}-pi{pi}", [c for c in cells if c["table"] in ("deprl-t1", "deprl-t7") and c["graph"] == g
@@ -974,7 +979,7 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
         doc += ["Plots (accuracy vs round; line = mean over seeds, band = min–max over seeds, dashed = the paper's "
                 "value): " + (", ".join(figs) if figs else "none yet (no finished run)") + ".", ""]
 
-    doc += claims_section(results["claims"], out.parent / "results" if plots else None)
+    doc += claims_section(results["claims"], figdir if plots else None)
 
     doc += ["## Discussion", "", DISCUSSION_OPEN, discussion_text(out), DISCUSSION_CLOSE, ""]
     doc += ["## Run folders", ""]
