@@ -223,7 +223,7 @@ def test_a_claims_long_file_runs_the_same_cells_longer_against_the_same_paper_nu
                                 ("dfedpgp", "dfedpgp-long", 100), ("dfedpgp", "dfedpgp-long200", 200),
                                 ("dfedsam", "dfedsam-long", 100), ("dfedmdc", "dfedmdc-long", 100),
                                 ("dfedmdc", "dfedmdc-long200", 200), ("dfedsam-e5", "dfedsam-e5-long", 100),
-                                ("dfedmdc", "dfedmdc-long300", 300)):
+                                ("dfedmdc", "dfedmdc-long300", 300), ("dfedmdc", "dfedmdc-long500", 500)):
         base = next(c for c in rmd.CLAIMS if c.file == short)
         ext = next(c for c in rmd.CLAIMS if c.file == long)
         assert (ext.folder, ext.table, ext.metric, ext.source, ext.protocol) == (

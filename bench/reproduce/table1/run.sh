@@ -6,7 +6,7 @@
 # here) as the exact engine's cross-check, then DFedADMM's claim at 100, 200, 300, 400 and 500 rounds (each
 # longer file extends the shorter one's final checkpoints), then at 5 local epochs, then DFedPGP's claim at
 # 100 and 200 rounds, then DFedMDC's and DFedSAM's at 100, DFedMDC's at 200, DFedSAM's at 5 local epochs
-# (50 rounds, then the grid's at 100), then DFedMDC's last step (DFedAvgM > Local) at 300; each (graph, pi)
+# (50 rounds, then the grid's at 100), then DFedMDC's last step (DFedAvgM > Local) at 300 and 500; each (graph, pi)
 # as three sweep files: DePRL (epochs) seeds 0-2, then seed 0 of D-PSGD, the literal DePRL-steps variant and
 # DisPFL, then their seeds 1-2.
 # The cells of a sweep that finished on a GPU (runs/reproduce/<name>-gpu, ../run_gpu.sh, batched engine)
@@ -59,7 +59,7 @@ if [ $# -eq 0 ]; then
   set -- "$@" $CROSS claims/dfedadmm-long claims/dfedadmm-long200 claims/dfedadmm-long300 \
     claims/dfedadmm-long400 claims/dfedadmm-long500 claims/dfedadmm-e5 claims/dfedpgp-long \
     claims/dfedpgp-long200 claims/dfedmdc-long claims/dfedsam-long \
-    claims/dfedmdc-long200 claims/dfedsam-e5 claims/dfedsam-e5-long claims/dfedmdc-long300
+    claims/dfedmdc-long200 claims/dfedsam-e5 claims/dfedsam-e5-long claims/dfedmdc-long300 claims/dfedmdc-long500
 fi
 cd "$CODE"
 left_after_gpu() {  # left_after_gpu SWEEP_FILE FOLDER: the sweep's cells not finished in FOLDER, one a line
