@@ -50,7 +50,17 @@ def wait_rounds(out: Path, pid: str, n: int, procs: dict[str, subprocess.Popen],
     while len(records(out / f"metrics-{pid}.jsonl")) < n:
         assert time.monotonic() - t0 < limit, f"{pid} did not finish {n} rounds"
         assert procs[pid].poll() is None, (tmp / f"{pid}.log").read_text()[-3000:]
-        time.sleep(0.05)
+        time.sleep(0.01)
+
+
+def random_instant(out: Path, pid: str, rng: random.Random, procs: dict[str, subprocess.Popen], tmp: Path,
+                   first: int, last: int) -> None:
+    """Return at a random instant of `pid`'s run, drawn in rounds, not seconds: after a random round in
+    [first, last] and a random part of one round's time (training, exchanging or writing). A delay in
+    seconds is not an instant of the run: with rounds of 20 ms, 0.3 s is 15 rounds, and CI once killed
+    p3 in round 18 of 20, too late to see it rejoin."""
+    wait_rounds(out, pid, rng.randint(first, last), procs, tmp)
+    time.sleep(rng.uniform(0.0, records(out / f"metrics-{pid}.jsonl")[-1]["seconds"]))
 
 
 def finish(procs: dict[str, subprocess.Popen], tmp: Path, limit: float = 150) -> None:
@@ -111,8 +121,7 @@ def test_kill9_and_restart_at_a_random_instant_rejoins_within_two_rounds(tmp_pat
     cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds, network={"round_timeout_s": 90.0})
     out = tmp_path / "run"
     with peers(cfg, out, tmp_path) as procs:
-        wait_rounds(out, "p3", 2, procs, tmp_path)
-        time.sleep(rng.uniform(0.0, 0.3))  # a random instant: training, exchanging, or writing
+        random_instant(out, "p3", rng, procs, tmp_path, 2, 8)
         os.killpg(procs["p3"].pid, signal.SIGKILL)
         procs["p3"].wait(10)
         time.sleep(rng.uniform(0.5, 2.0))

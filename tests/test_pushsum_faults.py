@@ -21,7 +21,15 @@ import numpy as np
 import pytest
 
 from tests.conftest import tiny_config
-from tests.test_gossip_faults import PEERS, assert_each_round_once, fault_rng, finish, peers, wait_rounds
+from tests.test_gossip_faults import (
+    PEERS,
+    assert_each_round_once,
+    fault_rng,
+    finish,
+    peers,
+    random_instant,
+    wait_rounds,
+)
 from tests.test_launch import _node, free_base_port, records
 
 PUSH = {"name": "dfedpgp", "mix_mode": "push", "body_local": 1, "head_local": 1}
@@ -77,9 +85,8 @@ def test_both_ends_of_an_edge_killed_at_random_instants_lose_no_mass(tmp_path: P
                       network={"round_timeout_s": 6.0, "probe_s": 0.5})
     out = tmp_path / "run"
     with peers(cfg, out, tmp_path) as procs:
-        wait_rounds(out, "p2", 2, procs, tmp_path)
         first, second = rng.sample(["p1", "p2"], 2)
-        time.sleep(rng.uniform(0.0, 0.4))  # training, pushing, mixing or writing the checkpoint
+        random_instant(out, "p2", rng, procs, tmp_path, 2, 4)  # training, pushing, mixing or checkpointing
         kill(procs, first)
         time.sleep(rng.uniform(0.0, 0.3))
         kill(procs, second)
