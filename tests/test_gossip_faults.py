@@ -45,12 +45,15 @@ def peers(cfg: Path, out: Path, tmp: Path, ids: list[str] = PEERS) -> Iterator[d
                 p.wait(10)
 
 
-def wait_rounds(out: Path, pid: str, n: int, procs: dict[str, subprocess.Popen], tmp: Path, limit: float = 90) -> None:
+def wait_rounds(out: Path, pid: str, n: int, procs: dict[str, subprocess.Popen], tmp: Path,
+                limit: float = 90) -> list[dict]:
+    """Wait until `pid` recorded at least `n` rounds; return its records as last read."""
     t0 = time.monotonic()
-    while len(records(out / f"metrics-{pid}.jsonl")) < n:
+    while len(recs := records(out / f"metrics-{pid}.jsonl")) < n:
         assert time.monotonic() - t0 < limit, f"{pid} did not finish {n} rounds"
         assert procs[pid].poll() is None, (tmp / f"{pid}.log").read_text()[-3000:]
         time.sleep(0.01)
+    return recs
 
 
 def random_instant(out: Path, pid: str, rng: random.Random, procs: dict[str, subprocess.Popen], tmp: Path,
@@ -59,8 +62,8 @@ def random_instant(out: Path, pid: str, rng: random.Random, procs: dict[str, sub
     [first, last] and a random part of one round's time (training, exchanging or writing). A delay in
     seconds is not an instant of the run: with rounds of 20 ms, 0.3 s is 15 rounds, and CI once killed
     p3 in round 18 of 20, too late to see it rejoin."""
-    wait_rounds(out, pid, rng.randint(first, last), procs, tmp)
-    time.sleep(rng.uniform(0.0, records(out / f"metrics-{pid}.jsonl")[-1]["seconds"]))
+    recs = wait_rounds(out, pid, rng.randint(first, last), procs, tmp)
+    time.sleep(rng.uniform(0.0, recs[-1]["seconds"]))
 
 
 def finish(procs: dict[str, subprocess.Popen], tmp: Path, limit: float = 150) -> None:
