@@ -29,8 +29,8 @@ __all__ = ["build", "cache_dir", "fingerprint", "load"]
 
 
 def _algorithms() -> list[dict[str, Any]]:
-    from p2pfl.algorithms.hyperparameters import algorithm_table, describe
     from p2pfl.algorithms.presets import presets_for
+    from p2pfl.algorithms.registry import algorithm_table, describe
 
     return [{"name": name, "shares": shares, "doc": doc,
              "hyperparameters": [[key, repr(default), accepted] for key, default, accepted in describe(name)],

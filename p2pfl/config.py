@@ -22,33 +22,20 @@ import copy
 import functools
 import math
 import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from p2pfl.badinput import BadInput, shorten, suggest
+from p2pfl.schema import ConfigError, from_validation_error, yaml_number
 
-
-class ConfigError(BadInput):
-    """A config file or override is malformed; the message names the file and key."""
-
+if TYPE_CHECKING:
+    from p2pfl.algorithms.registry import AlgorithmChoice
 
 # ---- typed building blocks ---------------------------------------------------------------------
-
-# YAML 1.1 reads ``1e-3`` (no dot) as a string; accept such numbers where a float is expected.
-_SCI = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
-
-
-def yaml_number(value: Any) -> Any:
-    """``"1e-3"`` -> 0.001 (YAML 1.1 leaves it a string); anything else unchanged for the schema."""
-    if isinstance(value, str) and _SCI.match(value.strip()):
-        return float(value)
-    return value
-
 
 #: A finite float (ints accepted, ``1e-3`` strings read as numbers, bools refused).
 Number = Annotated[float, BeforeValidator(yaml_number), Field(allow_inf_nan=False)]
@@ -226,6 +213,8 @@ class ExperimentConfig:
     wire: WireConfig = field(default_factory=WireConfig)
     tf32: bool = False  # CUDA convolutions and matrix products in TF32 (see ConfigFile.tf32)
     eval_pre_gossip: bool = False  # also evaluate before mixing (see ConfigFile.eval_pre_gossip)
+    #: the algorithm resolved once (class + typed hyperparameters); None for a ClientApp config
+    choice: AlgorithmChoice | None = None
 
     @property
     def algorithm_name(self) -> str:
@@ -293,7 +282,7 @@ def switch_algorithm(data: dict[str, Any], overrides: list[str] | None) -> tuple
     new_algo = out.get("algorithm")
     if not isinstance(new_algo, dict) or new_algo.get("name") == file_algo.get("name"):
         return out, []
-    from p2pfl.algorithms.hyperparameters import hyperparameter_names
+    from p2pfl.algorithms.registry import hyperparameter_names
 
     try:
         allowed = set(hyperparameter_names(str(new_algo.get("name"))))
@@ -316,85 +305,6 @@ def switch_algorithm(data: dict[str, Any], overrides: list[str] | None) -> tuple
 
 
 # ---- validation ----------------------------------------------------------------------------------
-
-_PHRASES = {
-    "missing": "missing (required)",
-    "bool_type": "must be true or false",
-    "int_type": "must be an integer",
-    "int_from_float": "must be an integer",
-    "float_type": "must be a number",
-    "finite_number": "must be a finite number",
-    "string_type": "must be a string",
-    "dict_type": "must be a mapping",
-    "model_type": "must be a mapping",
-    "model_attributes_type": "must be a mapping",
-}
-
-
-def _inner_model(ann: Any) -> type[BaseModel] | None:
-    """The BaseModel inside an annotation such as ``Section``, ``list[Entry] | None``."""
-    if isinstance(ann, type) and issubclass(ann, BaseModel):
-        return ann
-    for arg in typing.get_args(ann):
-        found = _inner_model(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """Field names of the section at ``loc`` (for 'unknown key' messages)."""
-    for part in loc:
-        if isinstance(part, int):
-            continue  # a list index: same model
-        fld = model.model_fields.get(str(part))
-        inner = _inner_model(fld.annotation) if fld else None
-        if inner is None:
-            break
-        model = inner
-    return list(model.model_fields)
-
-
-def dotted(loc: tuple[Any, ...], prefix: str = "") -> str:
-    """('peers', 0, 'id') -> 'peers[0].id'."""
-    out = prefix
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif str(part) not in ("", "function-after[_device(), str]"):
-            out = f"{out}.{part}" if out else str(part)
-    return out
-
-
-def from_validation_error(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> ConfigError:
-    """The first pydantic error as one ConfigError line naming the dotted key."""
-    err = exc.errors(include_url=False)[0]
-    loc = tuple(err["loc"])
-    key = dotted(loc, prefix)
-    typ, ctx = err["type"], err.get("ctx") or {}
-    got = err.get("input")
-    shown = "" if typ == "missing" else f", got {shorten(repr(got), 60)}"
-    if typ == "extra_forbidden":
-        allowed = _allowed_keys(model, loc[:-1])
-        close = suggest(loc[-1], allowed)
-        return ConfigError("unknown key", key=key, allowed=allowed,
-                           hint=f"did you mean {close!r}?" if close else None)
-    if isinstance(got, float) and not math.isfinite(got):
-        return ConfigError(f"must be a finite number{shown}", key=key)
-    if typ in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        op = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[typ]
-        bound = next(iter(ctx.values()))
-        return ConfigError(f"must be {op} {bound}{shown}", key=key)
-    if typ == "literal_error":
-        return ConfigError(f"not an allowed value{shown}", key=key, allowed=ctx.get("expected", ""))
-    if typ == "value_error":
-        msg = str(ctx.get("error", err["msg"]))
-        head, _, allowed = msg.partition("allowed: ")
-        return ConfigError(f"not an allowed value{shown}", key=key, allowed=allowed or None) if allowed \
-            else ConfigError(f"{msg}{shown}", key=key)
-    phrase = _PHRASES.get(typ) or err["msg"].replace("Input should be", "must be")
-    return ConfigError(f"{phrase}{shown}", key=key)
-
 
 def resolve_path(path: str, base: Path | None) -> str:
     """A path in a config is relative to the working directory, else to the config's folder."""
@@ -420,10 +330,12 @@ def parse_config(data: dict[str, Any], base: Path | None = None, *, check_files:
     except ValidationError as exc:
         raise from_validation_error(exc, ConfigFile) from None
 
-    from p2pfl.algorithms.hyperparameters import check_hyperparameters
+    from p2pfl.algorithms.registry import resolve
 
     algo = resolve_preset(dict(parsed.algorithm.model_dump()))
-    algo = {"name": algo["name"], **check_hyperparameters(algo["name"], {k: v for k, v in algo.items() if k != "name"})}
+    given = {k: yaml_number(v) for k, v in algo.items() if k != "name"}
+    choice = resolve(algo["name"], given)  # the one lookup and check; the peers build from it
+    algo = {"name": algo["name"], **given}
     _check_model(parsed.model.model_dump())
     _check_data(parsed.data, base, check_files)
 
@@ -441,7 +353,7 @@ def parse_config(data: dict[str, Any], base: Path | None = None, *, check_files:
         network=parsed.network, workers=parsed.simulation.workers, eval_every=parsed.eval_every,
         checkpoint_every=ck.every if ck.enabled else 0, raw=raw, simulation=parsed.simulation, checkpoint=ck,
         mixing=parsed.mixing, faults=parsed.faults, wire=parsed.wire, tf32=parsed.tf32,
-        eval_pre_gossip=parsed.eval_pre_gossip,
+        eval_pre_gossip=parsed.eval_pre_gossip, choice=choice,
     )
 
 

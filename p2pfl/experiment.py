@@ -139,7 +139,9 @@ class Experiment:
             from p2pfl.flower.clientapp import ClientAppAlgorithm
 
             algo: Algorithm = ClientAppAlgorithm(self.app_spec, self.layout, self._app_init[2], run_id=self.cfg.seed)
-        else:
+        elif self.cfg.choice is not None:
+            algo = self.cfg.choice.build(self.layout)
+        else:  # a config assembled by hand rather than by load_config
             algo = build_algorithm(self.cfg.algorithm_name, self.cfg.hyperparameters(), self.layout)
         m = self.cfg.mixing
         algo.mixing = MixingRule(m.robust, m.trim, float(m.clip_radius))  # checked by the config (robust.py)

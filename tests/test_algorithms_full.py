@@ -23,10 +23,10 @@ from p2pfl.algorithms import (
     PeerState,
     TrainContext,
     algorithm_class,
-    baselines,
     build_algorithm,
     dfedadmm,
     dfedsam,
+    full_sharing,
 )
 from p2pfl.algorithms.local_sgd import loss_step, run_sgd
 from p2pfl.algorithms.sam import sam_gradient, sam_step
@@ -265,7 +265,7 @@ def test_presets_build_their_algorithms() -> None:
     owner = {"dfedavg-paper": "dfedavg", "dfedavgm-paper": "dfedavgm", "dpsgd-paper": "dpsgd",
              "dfedsam-paper": "dfedsam", "dfedsam-mgs-paper": "dfedsam_mgs", "dfedsam-dfedadmm-paper": "dfedsam",
              "dfedadmm-paper": "dfedadmm", "dfedadmm-sam-paper": "dfedadmm_sam"}
-    presets = {**baselines.PRESETS, **dfedsam.PRESETS, **dfedadmm.PRESETS}
+    presets = {**full_sharing.PRESETS, **dfedsam.PRESETS, **dfedadmm.PRESETS}
     assert set(presets) == set(owner)
     for preset, name in owner.items():
         algo = build_algorithm(name, presets[preset], layout)

@@ -174,7 +174,7 @@ def test_switched_algorithm_simulates(tmp_path: Path) -> None:
 
 def test_hyperparameter_schema_covers_every_algorithm() -> None:
     from p2pfl.algorithms import ALGORITHMS
-    from p2pfl.algorithms.hyperparameters import check_hyperparameters, describe
+    from p2pfl.algorithms.registry import check_hyperparameters, describe
 
     for name in ALGORITHMS:
         rows = describe(name)

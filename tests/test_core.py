@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from p2pfl.algorithms.base import PeerState
-from p2pfl.algorithms.mixing import mix_into, mix_scalar
+from p2pfl.algorithms.combine import mix_into, mix_scalar
 from p2pfl.checkpoint import load_checkpoint, save_checkpoint
 from p2pfl.messages import Message
 from p2pfl.models import build_model, split_parameter_names

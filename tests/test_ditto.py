@@ -1,4 +1,4 @@
-"""Ditto's local rule (p2pfl.flower.ditto) against a hand-written reference, its Flower baseline, and a
+"""Ditto's local rule (p2pfl.algorithms.ditto) against a hand-written reference, its Flower baseline, and a
 sweep case that runs a parameter-server baseline (``flower:``) end to end.
 
 The reference re-derives one round from Ditto's equations with plain autograd on the same minibatches
@@ -17,10 +17,10 @@ import torch.nn.functional as F
 import yaml
 
 from p2pfl.algorithms import TrainContext
+from p2pfl.algorithms.ditto import PERSONAL
 from p2pfl.config import load_config
 from p2pfl.experiment import Experiment
 from p2pfl.flower.baselines import baseline_of, run_baseline
-from p2pfl.flower.ditto import PERSONAL
 from p2pfl.modelpool import ModelPool
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
 from tests.conftest import tiny_config, train_then_evaluate_one_client

@@ -1,4 +1,4 @@
-"""FedRoD's local rule (p2pfl.flower.fedrod) against a hand-written reference, and its Flower baseline.
+"""FedRoD's local rule (p2pfl.algorithms.fedrod) against a hand-written reference, and its Flower baseline.
 
 The reference re-derives one round from FedRoD's equations with plain autograd on the same minibatches
 (the peer's generator, replayed): per minibatch, body and generic head take an SGD step on the balanced
@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from p2pfl.algorithms import TrainContext
+from p2pfl.algorithms.fedrod import PERSONAL_HEAD
 from p2pfl.config import load_config
 from p2pfl.experiment import Experiment
 from p2pfl.flower.baselines import baseline_of, run_baseline
-from p2pfl.flower.fedrod import PERSONAL_HEAD
 from p2pfl.modelpool import ModelPool
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
 from tests.conftest import tiny_config, train_then_evaluate_one_client

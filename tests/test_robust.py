@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2pfl.algorithms.mixing import mix_into, mix_rows
+from p2pfl.algorithms.combine import mix_into, mix_rows
 from p2pfl.algorithms.robust import MixingRule, robust_mix
 from p2pfl.config import load_config
 from p2pfl.faults import ByzantineFault, tamper

@@ -10,25 +10,18 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from p2pfl.algorithms.hyperparameters import HyperparameterError, typed_hyperparameters
+from p2pfl.algorithms.local_sgd import TrainContext
 from p2pfl.algorithms.robust import MixingRule
-from p2pfl.badinput import BadInput
-from p2pfl.data.loader import PeerData
 from p2pfl.messages import Message
 from p2pfl.models.layout import ParamLayout, TensorSpec
 from p2pfl.topology import MixingPlan
 
-if TYPE_CHECKING:
-    from p2pfl.algorithms.local_sgd import GradTerm, Phase
-
-
-class HyperparameterError(BadInput):
-    """An algorithm was given an unknown or invalid hyperparameter."""
+__all__ = ["Algorithm", "HyperparameterError", "PeerState", "TrainContext", "finite_or_raise"]
 
 
 @dataclass
@@ -45,47 +38,6 @@ class PeerState:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     scalars: dict[str, float] = field(default_factory=dict)
     round: int = 0  # the next round to run
-
-
-@dataclass
-class TrainContext:
-    """What an algorithm may use to train one peer for one round."""
-
-    model: nn.Module  # parameters bound (as views) to state.params
-    layout: ParamLayout
-    data: PeerData
-    generator: torch.Generator  # this peer's own randomness (minibatch order)
-    device: torch.device
-    #: Head phases (body frozen) train on the body's features computed once per phase; None:
-    #: ``local_sgd.FROZEN_BODY_CACHE``, the same in every mode (so simulate and launch agree).
-    cache_frozen: bool | None = None
-
-    #: False here; True for the batched engine's context, whose tensors are ``[peers, ...]``.
-    batched: ClassVar[bool] = False
-
-    def train(self, block: str, phase: Phase, *, grad_term: GradTerm | None = None,
-              project: torch.Tensor | None = None) -> float | None:
-        """Train ``block`` (``all`` | ``shared`` | ``personal``; the rest frozen) for one phase.
-
-        Returns the phase's mean loss, or None for an empty phase. The batched engine's context
-        has the same method over stacked peers; algorithms call only this, never an engine.
-        """
-        from p2pfl.algorithms.local_sgd import train_exact
-
-        return train_exact(self, block, phase, grad_term=grad_term, project=project)
-
-    def gradients(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Loss gradient of the named parameters on one minibatch drawn from the peer's generator."""
-        from p2pfl.algorithms.local_sgd import trainable
-
-        named = dict(self.model.named_parameters())
-        targets = [named[n] for n in names]
-        x, y = self.data.train_batch(self.data.sample_positions(self.generator))
-        self.model.train()
-        with trainable(self.model, targets):
-            loss = F.cross_entropy(self.model(x), y)
-            grads = torch.autograd.grad(loss, targets)
-        return {n: g.detach() for n, g in zip(names, grads, strict=True)}
 
 
 class Algorithm(ABC):
@@ -106,22 +58,27 @@ class Algorithm(ABC):
     mixing: MixingRule = MixingRule()
 
     def __init__(self, hp: dict[str, Any], layout: ParamLayout) -> None:
-        from p2pfl.algorithms.hyperparameters import typed_hyperparameters
-
-        # One typed schema per algorithm (types, ranges, unknown keys); validate() adds cross-field rules.
+        # One typed schema per algorithm (types, ranges, unknown keys); check() adds cross-field rules.
         self.hp: dict[str, Any] = typed_hyperparameters(type(self), hp)
         self.layout = layout
-        self.validate()
+        self.check(self.hp)
 
     # -- configuration ---------------------------------------------------------------------
-    def validate(self) -> None:
+    @classmethod
+    def check(cls, hp: dict[str, Any]) -> None:
         """Check hyperparameters; raise HyperparameterError naming the bad one."""
         for key in ("lr", "lr_head", "lr_body"):
-            if key in self.hp and not float(self.hp[key]) > 0:
-                raise HyperparameterError(f"{self.name}: {key} must be > 0")
+            if key in hp and not float(hp[key]) > 0:
+                raise HyperparameterError(f"{cls.name}: {key} must be > 0")
 
     @property
     def mode(self) -> str:
+        """The mixing mode the topology plans with (see ``mode_of``)."""
+        return type(self).mode_of(self.hp)
+
+    @classmethod
+    def mode_of(cls, hp: dict[str, Any]) -> str:
+        """``pull`` (row-stochastic) or ``push`` (push-sum), read from the hyperparameters alone."""
         return "pull"
 
     def gossip_steps(self) -> int:
@@ -158,7 +115,7 @@ class Algorithm(ABC):
     def combine(self, state: PeerState, round: int, step: int, own: Message,
                 received: dict[str, Message], plan: MixingPlan) -> None:
         """Replace the sent part by the plan-weighted mix of ``own`` and what arrived."""
-        from p2pfl.algorithms.mixing import mix_into
+        from p2pfl.algorithms.combine import mix_into
 
         n = own.flat.numel()
         mix_into(state.params[:n], own.flat, plan, received, renormalize=self.mode == "pull", rule=self.mixing)
@@ -169,7 +126,7 @@ class Algorithm(ABC):
         """``combine`` for a stack of peers (batched engine): ``own`` is ``[peers, m]``, the stacked
         ``outgoing``; ``weights`` the raw plan weights ``[peers, peers]`` (see ``mixing.mix_rows``).
         """
-        from p2pfl.algorithms.mixing import mix_rows
+        from p2pfl.algorithms.combine import mix_rows
 
         state.params[:, : own.shape[1]] = mix_rows(weights, own, renormalize=self.mode == "pull", rule=self.mixing)
 

@@ -50,17 +50,18 @@ class DePRL(Algorithm):
         "tau": 2, "tau_unit": "steps", "rep_steps": 1, "rep_unit": "steps",
     }
 
-    def validate(self) -> None:
-        super().validate()
-        check_unit(self.name, "tau_unit", self.hp["tau_unit"])
-        check_amount(self.name, "tau", self.hp["tau"], self.hp["tau_unit"])
-        check_unit(self.name, "rep_unit", self.hp["rep_unit"])
-        check_amount(self.name, "rep_steps", self.hp["rep_steps"], self.hp["rep_unit"])
+    @classmethod
+    def check(cls, hp: dict[str, Any]) -> None:
+        super().check(hp)
+        check_unit(cls.name, "tau_unit", hp["tau_unit"])
+        check_amount(cls.name, "tau", hp["tau"], hp["tau_unit"])
+        check_unit(cls.name, "rep_unit", hp["rep_unit"])
+        check_amount(cls.name, "rep_steps", hp["rep_steps"], hp["rep_unit"])
         for key in ("momentum", "weight_decay"):
-            if not float(self.hp[key]) >= 0:
-                raise HyperparameterError(f"{self.name}: {key} must be >= 0")
-        if not 0 < float(self.hp["lr_decay"]) <= 1:
-            raise HyperparameterError(f"{self.name}: lr_decay must be in (0, 1]")
+            if not float(hp[key]) >= 0:
+                raise HyperparameterError(f"{cls.name}: {key} must be >= 0")
+        if not 0 < float(hp["lr_decay"]) <= 1:
+            raise HyperparameterError(f"{cls.name}: lr_decay must be in (0, 1]")
 
     def phases(self, round: int) -> tuple[Phase, Phase]:
         common = {"momentum": float(self.hp["momentum"]), "weight_decay": float(self.hp["weight_decay"])}

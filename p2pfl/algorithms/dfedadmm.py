@@ -90,26 +90,32 @@ class DFedADMM(Algorithm):
                                           "lambda_semantics": "prox_coef", "message_dual": "old", "grad_clip": 0.0}
 
     # -- configuration ---------------------------------------------------------------------
-    def validate(self) -> None:
-        super().validate()
-        if self.hp["lambda_semantics"] not in LAMBDA_SEMANTICS:
-            raise HyperparameterError(f"{self.name}: lambda_semantics must be one of {LAMBDA_SEMANTICS}")
-        if self.hp["message_dual"] not in MESSAGE_DUALS:
-            raise HyperparameterError(f"{self.name}: message_dual must be one of {MESSAGE_DUALS}")
-        if not float(self.hp["lam"]) > 0:
-            raise HyperparameterError(f"{self.name}: lam must be > 0")
-        if not float(self.hp["local_epochs"]) > 0:
-            raise HyperparameterError(f"{self.name}: local_epochs must be > 0")
-        if float(self.hp["lr"]) > 2.0 * self.lam:
+    @classmethod
+    def check(cls, hp: dict[str, Any]) -> None:
+        super().check(hp)
+        if hp["lambda_semantics"] not in LAMBDA_SEMANTICS:
+            raise HyperparameterError(f"{cls.name}: lambda_semantics must be one of {LAMBDA_SEMANTICS}")
+        if hp["message_dual"] not in MESSAGE_DUALS:
+            raise HyperparameterError(f"{cls.name}: message_dual must be one of {MESSAGE_DUALS}")
+        if not float(hp["lam"]) > 0:
+            raise HyperparameterError(f"{cls.name}: lam must be > 0")
+        if not float(hp["local_epochs"]) > 0:
+            raise HyperparameterError(f"{cls.name}: local_epochs must be > 0")
+        if float(hp["lr"]) > 2.0 * cls.lambda_of(hp):
             raise HyperparameterError(
-                f"{self.name}: lr / lambda = {float(self.hp['lr']) / self.lam:g} > 2: eq. 6 is unstable "
-                f"(lambda = {self.lam:g} under lambda_semantics={self.hp['lambda_semantics']!r})")
+                f"{cls.name}: lr / lambda = {float(hp['lr']) / cls.lambda_of(hp):g} > 2: eq. 6 is unstable "
+                f"(lambda = {cls.lambda_of(hp):g} under lambda_semantics={hp['lambda_semantics']!r})")
 
     @property
     def lam(self) -> float:
         """The equations' lambda (prox term ``1/(2 lambda)``, dual step ``1/lambda``, message scale)."""
-        lam = float(self.hp["lam"])
-        return 1.0 / lam if self.hp["lambda_semantics"] == "prox_coef" else lam
+        return self.lambda_of(self.hp)
+
+    @staticmethod
+    def lambda_of(hp: dict[str, Any]) -> float:
+        """``lam`` read from the hyperparameters (see ``lambda_semantics``)."""
+        lam = float(hp["lam"])
+        return 1.0 / lam if hp["lambda_semantics"] == "prox_coef" else lam
 
     # -- state -----------------------------------------------------------------------------
     def init_state(self, state: PeerState, generator: torch.Generator) -> None:
@@ -161,10 +167,11 @@ class DFedADMMSAM(DFedADMM):
     name = "dfedadmm_sam"
     defaults: ClassVar[dict[str, Any]] = {**DFedADMM.defaults, "rho": 0.1}
 
-    def validate(self) -> None:
-        super().validate()
-        if not float(self.hp["rho"]) >= 0:
-            raise HyperparameterError(f"{self.name}: rho must be >= 0")
+    @classmethod
+    def check(cls, hp: dict[str, Any]) -> None:
+        super().check(hp)
+        if not float(hp["rho"]) >= 0:
+            raise HyperparameterError(f"{cls.name}: rho must be >= 0")
 
     def sam_rho(self) -> float:
         return float(self.hp["rho"])

@@ -47,9 +47,10 @@ class DFedMDC(Algorithm):
         "momentum": 0.9, "weight_decay": 5e-4, "lr_decay": 0.995,
     }
 
-    def validate(self) -> None:
-        super().validate()
-        check_alternating(self.name, self.hp)
+    @classmethod
+    def check(cls, hp: dict[str, Any]) -> None:
+        super().check(hp)
+        check_alternating(cls.name, hp)
 
     def sam_rho(self, part: str) -> float:
         """SAM radius of ``part`` ("head" or "body"): none for DFedMDC."""
@@ -83,12 +84,13 @@ class DFedSMDC(DFedMDC):
     name = "dfedsmdc"
     defaults: ClassVar[dict[str, Any]] = {**DFedMDC.defaults, "rho": 0.7, "sam_on": "body"}
 
-    def validate(self) -> None:
-        super().validate()
-        if not float(self.hp["rho"]) >= 0:
-            raise HyperparameterError(f"{self.name}: rho must be >= 0")
-        if self.hp["sam_on"] not in ("body", "head", "both"):
-            raise HyperparameterError(f"{self.name}: sam_on must be body, head or both, got {self.hp['sam_on']!r}")
+    @classmethod
+    def check(cls, hp: dict[str, Any]) -> None:
+        super().check(hp)
+        if not float(hp["rho"]) >= 0:
+            raise HyperparameterError(f"{cls.name}: rho must be >= 0")
+        if hp["sam_on"] not in ("body", "head", "both"):
+            raise HyperparameterError(f"{cls.name}: sam_on must be body, head or both, got {hp['sam_on']!r}")
 
     def sam_rho(self, part: str) -> float:
         return float(self.hp["rho"]) if self.hp["sam_on"] in (part, "both") else 0.0

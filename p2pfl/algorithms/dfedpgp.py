@@ -14,7 +14,7 @@ import torch
 
 from p2pfl.algorithms.alternating import Phase, alternating_update, check_alternating
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
-from p2pfl.algorithms.mixing import mix_into, mix_rows, mix_scalar, row_normalized
+from p2pfl.algorithms.combine import mix_into, mix_rows, mix_scalar, row_normalized
 from p2pfl.messages import Message
 from p2pfl.topology import MixingPlan
 
@@ -66,15 +66,16 @@ class DFedPGP(Algorithm):
         "momentum": 0.9, "weight_decay": 5e-4, "lr_decay": 0.998, "mix_mode": "pull",
     }
 
-    def validate(self) -> None:
-        super().validate()
-        check_alternating(self.name, self.hp)
-        if self.hp["mix_mode"] not in ("pull", "push"):
-            raise HyperparameterError(f"{self.name}: mix_mode must be pull or push, got {self.hp['mix_mode']!r}")
+    @classmethod
+    def check(cls, hp: dict[str, Any]) -> None:
+        super().check(hp)
+        check_alternating(cls.name, hp)
+        if hp["mix_mode"] not in ("pull", "push"):
+            raise HyperparameterError(f"{cls.name}: mix_mode must be pull or push, got {hp['mix_mode']!r}")
 
-    @property
-    def mode(self) -> str:
-        return str(self.hp["mix_mode"])
+    @classmethod
+    def mode_of(cls, hp: dict[str, Any]) -> str:
+        return str(hp["mix_mode"])
 
     def init_state(self, state: PeerState, generator: torch.Generator) -> None:
         state.scalars[MU] = 1.0

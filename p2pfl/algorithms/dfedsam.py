@@ -45,14 +45,15 @@ class DFedSAM(Algorithm):
     defaults: ClassVar[dict[str, Any]] = {"lr": 0.1, "local_epochs": 1, "rho": 0.01, "weight_decay": 5e-4,
                                           "lr_decay": 1.0}
 
-    def validate(self) -> None:
-        super().validate()
-        if not float(self.hp["rho"]) >= 0:
-            raise HyperparameterError(f"{self.name}: rho must be >= 0")
-        if not float(self.hp["local_epochs"]) > 0:
-            raise HyperparameterError(f"{self.name}: local_epochs must be > 0")
-        if not float(self.hp["weight_decay"]) >= 0:
-            raise HyperparameterError(f"{self.name}: weight_decay must be >= 0")
+    @classmethod
+    def check(cls, hp: dict[str, Any]) -> None:
+        super().check(hp)
+        if not float(hp["rho"]) >= 0:
+            raise HyperparameterError(f"{cls.name}: rho must be >= 0")
+        if not float(hp["local_epochs"]) > 0:
+            raise HyperparameterError(f"{cls.name}: local_epochs must be > 0")
+        if not float(hp["weight_decay"]) >= 0:
+            raise HyperparameterError(f"{cls.name}: weight_decay must be >= 0")
 
     def local_update(self, state: PeerState, ctx: TrainContext, round: int) -> dict[str, float]:
         # rho = 0 is the plain step: bitwise DFedAvg's (tested).
@@ -84,11 +85,12 @@ class DFedSAMMGS(DFedSAM):
     name = "dfedsam_mgs"
     defaults: ClassVar[dict[str, Any]] = {**DFedSAM.defaults, "gossip_steps": 4}
 
-    def validate(self) -> None:
-        super().validate()
-        q = self.hp["gossip_steps"]
+    @classmethod
+    def check(cls, hp: dict[str, Any]) -> None:
+        super().check(hp)
+        q = hp["gossip_steps"]
         if isinstance(q, bool) or not isinstance(q, int) or q < 1:
-            raise HyperparameterError(f"{self.name}: gossip_steps must be an integer >= 1")
+            raise HyperparameterError(f"{cls.name}: gossip_steps must be an integer >= 1")
 
     def gossip_steps(self) -> int:
         return int(self.hp["gossip_steps"])

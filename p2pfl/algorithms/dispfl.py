@@ -81,8 +81,8 @@ from typing import Any, ClassVar
 import torch
 
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
+from p2pfl.algorithms.combine import mix_weights
 from p2pfl.algorithms.local_sgd import Phase
-from p2pfl.algorithms.mixing import mix_weights
 from p2pfl.messages import Message
 from p2pfl.models.layout import ParamLayout, TensorSpec
 from p2pfl.topology import MixingPlan
@@ -212,30 +212,31 @@ class DisPFL(Algorithm):
         self._sel = {torch.device("cpu"): sel}
 
     # -- configuration ---------------------------------------------------------------------
-    def validate(self) -> None:
-        super().validate()
-        hp = self.hp
+    @classmethod
+    def check(cls, hp: dict[str, Any]) -> None:
+        super().check(hp)
+        hp = hp
         if not 0.0 < float(hp["density"]) <= 1.0:
-            raise HyperparameterError(f"{self.name}: density must be in (0, 1]")
+            raise HyperparameterError(f"{cls.name}: density must be in (0, 1]")
         if hp["distribution"] not in DISTRIBUTIONS:
-            raise HyperparameterError(f"{self.name}: distribution must be one of {DISTRIBUTIONS}")
+            raise HyperparameterError(f"{cls.name}: distribution must be one of {DISTRIBUTIONS}")
         if hp["regrow"] not in REGROW:
-            raise HyperparameterError(f"{self.name}: regrow must be one of {REGROW}")
+            raise HyperparameterError(f"{cls.name}: regrow must be one of {REGROW}")
         if not 0.0 <= float(hp["anneal_factor"]) <= 1.0:
-            raise HyperparameterError(f"{self.name}: anneal_factor must be in [0, 1]")
+            raise HyperparameterError(f"{cls.name}: anneal_factor must be in [0, 1]")
         if isinstance(hp["anneal_rounds"], bool) or int(hp["anneal_rounds"]) != hp["anneal_rounds"] \
                 or int(hp["anneal_rounds"]) < 1:
-            raise HyperparameterError(f"{self.name}: anneal_rounds must be an integer >= 1")
+            raise HyperparameterError(f"{cls.name}: anneal_rounds must be an integer >= 1")
         if not float(hp["local_epochs"]) > 0:
-            raise HyperparameterError(f"{self.name}: local_epochs must be > 0")
+            raise HyperparameterError(f"{cls.name}: local_epochs must be > 0")
         if not 0.0 <= float(hp["momentum"]) < 1.0:
-            raise HyperparameterError(f"{self.name}: momentum must be in [0, 1)")
+            raise HyperparameterError(f"{cls.name}: momentum must be in [0, 1)")
         if float(hp["weight_decay"]) < 0 or float(hp["grad_clip"]) < 0:
-            raise HyperparameterError(f"{self.name}: weight_decay and grad_clip must be >= 0")
+            raise HyperparameterError(f"{cls.name}: weight_decay and grad_clip must be >= 0")
         if not 0.0 < float(hp["lr_decay"]) <= 1.0:
-            raise HyperparameterError(f"{self.name}: lr_decay must be in (0, 1]")
+            raise HyperparameterError(f"{cls.name}: lr_decay must be in (0, 1]")
         if not isinstance(hp["evolve_masks"], bool):
-            raise HyperparameterError(f"{self.name}: evolve_masks must be true or false")
+            raise HyperparameterError(f"{cls.name}: evolve_masks must be true or false")
 
     def selector(self, device: torch.device) -> torch.Tensor:
         """Boolean flat vector: True on the coordinates of prunable tensors (cached per device)."""

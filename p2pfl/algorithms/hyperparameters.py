@@ -10,25 +10,31 @@ default (so an algorithm added elsewhere is still type-checked). Cross-field rul
 refused before any run folder exists, not in a worker.
 
 Each algorithm's defaults are its class ``defaults``; ``algorithm.preset`` names a paper's
-preset (see ``presets.py``). Both are listed by ``p2pfl algorithms``.
+preset (see ``presets.py``). Both are listed by ``p2pfl algorithms``. This module knows no
+algorithm by name: looking a name up (and the checks that need every algorithm, such as "``tau``
+is a hyperparameter of deprl, not of dfedavg") is ``registry.py``'s job, one floor up.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from functools import cache
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
-from p2pfl.badinput import BadInput, shorten, suggest
+from p2pfl.badinput import BadInput, suggest
+from p2pfl.schema import from_validation_error, yaml_number
 
-__all__ = ["algorithm_table", "check_hyperparameters", "describe", "hyperparameter_names", "typed_hyperparameters"]
+__all__ = ["HyperparameterError", "hyperparameter_docs", "typed_hyperparameters"]
+
+
+class HyperparameterError(BadInput):
+    """An algorithm was given an unknown or invalid hyperparameter."""
 
 
 def _number(value: Any) -> Any:
-    from p2pfl.config import yaml_number
-
     return yaml_number(value)
 
 
@@ -97,22 +103,6 @@ def _fallback(default: Any) -> tuple[Any, str]:
     return Any, "any"  # None, lists, mappings: the algorithm's validate() checks them
 
 
-def _algorithm_class(name: str) -> type:
-    from p2pfl.algorithms import ALGORITHMS, algorithm_class
-
-    if not isinstance(name, str) or name not in ALGORITHMS:
-        close = suggest(name, ALGORITHMS)
-        raise BadInput(f"unknown algorithm {shorten(repr(name))}", key="algorithm.name", allowed=sorted(ALGORITHMS),
-                       hint=f"did you mean {close!r}?" if close else None)
-    return algorithm_class(name)
-
-
-def _owners(key: str) -> list[str]:
-    from p2pfl.algorithms import ALGORITHMS
-
-    return [a for a in ALGORITHMS if key in _algorithm_class(a).defaults]
-
-
 @cache
 def _schema(cls: type) -> tuple[type[BaseModel], dict[str, str]]:
     table = _table()
@@ -127,25 +117,27 @@ def _schema(cls: type) -> tuple[type[BaseModel], dict[str, str]]:
     return model, docs
 
 
-def hyperparameter_names(name: str) -> list[str]:
-    """The hyperparameters algorithm ``name`` accepts (BadInput for an unknown algorithm)."""
-    return list(_algorithm_class(name).defaults)
+def hyperparameter_docs(cls: type) -> dict[str, str]:
+    """Each hyperparameter of ``cls`` -> one line saying which values it accepts."""
+    return _schema(cls)[1]
 
 
-def typed_hyperparameters(cls: type, hp: dict[str, Any]) -> dict[str, Any]:
-    """``cls.defaults`` overridden by ``hp`` (``preset`` ignored), schema-checked; HyperparameterError otherwise."""
-    from p2pfl.algorithms.base import HyperparameterError
-    from p2pfl.config import from_validation_error
+def typed_hyperparameters(cls: type, hp: dict[str, Any], owners: Callable[[str], list[str]] | None = None
+                          ) -> dict[str, Any]:
+    """``cls.defaults`` overridden by ``hp`` (``preset`` ignored), schema-checked; HyperparameterError otherwise.
 
+    ``owners(key)`` names the algorithms that do have an unknown ``key`` (the registry passes it, so
+    the error can say where the key belongs).
+    """
     name = cls.name
     given = {k: _number(v) for k, v in hp.items() if k != "preset"}
     allowed = list(cls.defaults)
     for key in given:
         if key not in cls.defaults:
             close = suggest(key, allowed)
-            owners = [a for a in _owners(key) if a != name]
+            others = [a for a in owners(key) if a != name] if owners else []
             hint = (f"did you mean {close!r}?" if close else
-                    f"{key} is a hyperparameter of {', '.join(owners)}, not of {name}" if owners else None)
+                    f"{key} is a hyperparameter of {', '.join(others)}, not of {name}" if others else None)
             raise HyperparameterError(f"not a hyperparameter of {name}", key=f"algorithm.{key}", allowed=allowed,
                                       hint=hint)
     model, _ = _schema(cls)
@@ -155,44 +147,3 @@ def typed_hyperparameters(cls: type, hp: dict[str, Any]) -> dict[str, Any]:
         err = from_validation_error(exc, model, prefix="algorithm")
         raise HyperparameterError(err.problem, key=err.key, allowed=err.allowed, hint=err.hint) from None
     return {**cls.defaults, **given}
-
-
-def check_hyperparameters(name: str, hp: dict[str, Any]) -> dict[str, Any]:
-    """Validate algorithm ``name`` with ``hp`` as a worker would build it, without a model.
-
-    Returns ``hp`` as given (numbers written ``1e-3`` read as floats); raises BadInput naming the key.
-    """
-    from p2pfl.algorithms.base import HyperparameterError
-
-    cls = _algorithm_class(name)
-    merged = typed_hyperparameters(cls, hp)
-    probe = cls.__new__(cls)  # validate() reads only self.hp / self.name: no layout needed
-    probe.hp = merged
-    probe.layout = None
-    try:
-        probe.validate()
-    except HyperparameterError as exc:
-        if exc.key:
-            raise
-        problem = exc.problem.removeprefix(f"{name}: ")
-        raise HyperparameterError(problem, key="algorithm") from None
-    return {k: _number(v) for k, v in hp.items()}
-
-
-def describe(name: str) -> list[tuple[str, Any, str]]:
-    """(hyperparameter, default, accepted values) of algorithm ``name``, for ``p2pfl algorithms``."""
-    cls = _algorithm_class(name)
-    _, docs = _schema(cls)
-    return [(k, v, docs[k]) for k, v in cls.defaults.items()]
-
-
-def algorithm_table() -> list[tuple[str, str, str]]:
-    """(name, shares, first docstring line) of every algorithm."""
-    from p2pfl.algorithms import ALGORITHMS
-
-    out = []
-    for name in ALGORITHMS:
-        cls = _algorithm_class(name)
-        doc = (cls.__doc__ or "").strip().splitlines()
-        out.append((name, getattr(cls, "shares", "shared"), doc[0] if doc else ""))
-    return out

@@ -14,18 +14,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from p2pfl.algorithms.base import HyperparameterError
+from p2pfl.algorithms.hyperparameters import HyperparameterError
 from p2pfl.algorithms.rules import Scalar, clip_grads, sgd_step_
 
 if TYPE_CHECKING:
-    from p2pfl.algorithms.base import TrainContext
     from p2pfl.data.loader import PeerData
+    from p2pfl.models.layout import ParamLayout
 
 # A step function computes the loss on (x, y), leaves the gradients in ``p.grad``, and returns
 # the loss; the loop then applies the update rule. SAM supplies its own.
@@ -288,3 +288,40 @@ def frozen_feature_batches(model: nn.Module, data: PeerData, generator: torch.Ge
         return []
     feats, labels = frozen_features(model, data, needed)
     return [(feats.index_select(0, r), labels.index_select(0, r)) for r in rows]
+
+
+@dataclass
+class TrainContext:
+    """What an algorithm may use to train one peer for one round."""
+
+    model: nn.Module  # parameters bound (as views) to state.params
+    layout: ParamLayout
+    data: PeerData
+    generator: torch.Generator  # this peer's own randomness (minibatch order)
+    device: torch.device
+    #: Head phases (body frozen) train on the body's features computed once per phase; None:
+    #: ``local_sgd.FROZEN_BODY_CACHE``, the same in every mode (so simulate and launch agree).
+    cache_frozen: bool | None = None
+
+    #: False here; True for the batched engine's context, whose tensors are ``[peers, ...]``.
+    batched: ClassVar[bool] = False
+
+    def train(self, block: str, phase: Phase, *, grad_term: GradTerm | None = None,
+              project: torch.Tensor | None = None) -> float | None:
+        """Train ``block`` (``all`` | ``shared`` | ``personal``; the rest frozen) for one phase.
+
+        Returns the phase's mean loss, or None for an empty phase. The batched engine's context
+        has the same method over stacked peers; algorithms call only this, never an engine.
+        """
+        return train_exact(self, block, phase, grad_term=grad_term, project=project)
+
+    def gradients(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Loss gradient of the named parameters on one minibatch drawn from the peer's generator."""
+        named = dict(self.model.named_parameters())
+        targets = [named[n] for n in names]
+        x, y = self.data.train_batch(self.data.sample_positions(self.generator))
+        self.model.train()
+        with trainable(self.model, targets):
+            loss = F.cross_entropy(self.model(x), y)
+            grads = torch.autograd.grad(loss, targets)
+        return {n: g.detach() for n, g in zip(names, grads, strict=True)}

@@ -11,7 +11,7 @@ from typing import Any
 
 
 def all_presets() -> dict[str, dict[str, Any]]:
-    from p2pfl.algorithms import ALGORITHMS
+    from p2pfl.algorithms.registry import ALGORITHMS
 
     out: dict[str, dict[str, Any]] = {}
     for module in sorted({target.split(":")[0] for target in ALGORITHMS.values()}):
@@ -21,7 +21,7 @@ def all_presets() -> dict[str, dict[str, Any]]:
 
 def presets_for(algorithm: str) -> list[str]:
     """The presets whose every key is a hyperparameter of ``algorithm`` (its papers' settings)."""
-    from p2pfl.algorithms import ALGORITHMS, algorithm_class
+    from p2pfl.algorithms.registry import ALGORITHMS, algorithm_class
 
     if algorithm not in ALGORITHMS:
         return []

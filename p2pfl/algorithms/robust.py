@@ -2,7 +2,7 @@
 when some neighbours may send well-formed garbage (docs/robust.md).
 
 The wire checks refuse malformed payloads; they cannot refuse a valid tensor of bad values. These
-rules replace the plan-weighted sum of ``p2pfl.algorithms.mixing.mix_into`` (which calls
+rules replace the plan-weighted sum of ``p2pfl.algorithms.combine.mix_into`` (which calls
 ``robust_mix`` when a rule is set) for every algorithm whose mixing is that weighted sum:
 
 * ``median``: the coordinate-wise median of self + the received neighbours (topology weights

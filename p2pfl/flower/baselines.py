@@ -13,10 +13,10 @@ fedavg      the whole model                           one joint pass (local, dfe
 fedper      the shared body; heads stay on the nodes  one joint pass (local, dfedavg, ...)
 fedrep      the shared body; heads stay on the nodes  head phase then body phase (deprl, ...)
 ditto       the whole (global) model; each node also  global update, then the personal model's
-            keeps a personal model, the one evaluated proximal update (``p2pfl.flower.ditto``)
+            keeps a personal model, the one evaluated proximal update (``p2pfl.algorithms.ditto``)
 fedrod      the body and the generic head; each node   balanced-softmax step of body + generic
             also keeps a personal head, evaluated as  head, CE step of the personal head
-            generic + personal head                   (``p2pfl.flower.fedrod``)
+            generic + personal head                   (``p2pfl.algorithms.fedrod``)
 ==========  ========================================  ==========================================
 
 Runtime: ``flwr.simulation.run_simulation`` with the Ray backend (``flwr[simulation]``). Where

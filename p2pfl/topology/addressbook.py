@@ -28,6 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from p2pfl.badinput import BadInput, shorten, suggest
+from p2pfl.schema import from_validation_error
 from p2pfl.yamlsafe import YamlLimits, load_yaml_file
 
 from .spec import Topology, TopologyError, check_addresses, load_topology
@@ -115,7 +116,6 @@ def parse_address_book(data: Any, source: str = "<dict>") -> AddressBook:
         try:
             f = _BookFile.model_validate(dict(data))
         except ValidationError as exc:
-            from p2pfl.config import from_validation_error
 
             err = from_validation_error(exc, _BookFile)
             raise AddressBookError(err.problem, key=err.key, allowed=err.allowed, hint=err.hint) from None

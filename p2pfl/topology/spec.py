@@ -35,6 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from p2pfl.badinput import BadInput
+from p2pfl.schema import from_validation_error
 from p2pfl.yamlsafe import YamlLimits, load_yaml_file
 
 from .address import AddressError, canonical_address
@@ -727,7 +728,6 @@ def _parse(data: Any, source: str) -> Topology:
     try:
         f = TopologyFile.model_validate(dict(data))
     except ValidationError as exc:
-        from p2pfl.config import from_validation_error
 
         err = from_validation_error(exc, TopologyFile)
         raise TopologyError(err.problem, key=err.key, allowed=err.allowed, hint=err.hint) from None

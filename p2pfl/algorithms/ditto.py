@@ -39,10 +39,11 @@ class Ditto(Algorithm):
     defaults: ClassVar[dict[str, Any]] = {"lr": 0.1, "lr_decay": 0.998, "weight_decay": 5e-4, "local_epochs": 1,
                                           "personal_epochs": 1, "lam": 0.1}
 
-    def validate(self) -> None:
-        super().validate()
-        if not float(self.hp["personal_epochs"]) > 0:
-            raise HyperparameterError(f"{self.name}: personal_epochs must be > 0")
+    @classmethod
+    def check(cls, hp: dict[str, Any]) -> None:
+        super().check(hp)
+        if not float(hp["personal_epochs"]) > 0:
+            raise HyperparameterError(f"{cls.name}: personal_epochs must be > 0")
 
     def init_state(self, state: PeerState, generator: torch.Generator) -> None:
         state.extra[PERSONAL] = state.params.detach().clone()  # v_k^0 = w^0

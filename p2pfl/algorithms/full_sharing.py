@@ -62,10 +62,11 @@ class DFedAvgM(DFedAvg):
     name = "dfedavgm"
     defaults: ClassVar = {**Local.defaults, "momentum": 0.9}
 
-    def validate(self) -> None:
-        super().validate()
-        if not 0.0 <= float(self.hp["momentum"]) < 1.0:
-            raise HyperparameterError(f"{self.name}: momentum must be in [0, 1)")
+    @classmethod
+    def check(cls, hp: dict[str, Any]) -> None:
+        super().check(hp)
+        if not 0.0 <= float(hp["momentum"]) < 1.0:
+            raise HyperparameterError(f"{cls.name}: momentum must be in [0, 1)")
 
 
 class DPSGD(Algorithm):
@@ -91,13 +92,14 @@ class DPSGD(Algorithm):
     shares = "all"
     defaults: ClassVar = {"lr": 0.1, "local_epochs": 1, "local_steps": 0, "weight_decay": 5e-4, "lr_decay": 1.0}
 
-    def validate(self) -> None:
-        super().validate()
-        steps = self.hp["local_steps"]
+    @classmethod
+    def check(cls, hp: dict[str, Any]) -> None:
+        super().check(hp)
+        steps = hp["local_steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise HyperparameterError(f"{self.name}: local_steps must be an integer >= 0 (0: use local_epochs)")
-        if steps == 0 and not float(self.hp["local_epochs"]) > 0:
-            raise HyperparameterError(f"{self.name}: local_epochs must be > 0")
+            raise HyperparameterError(f"{cls.name}: local_steps must be an integer >= 0 (0: use local_epochs)")
+        if steps == 0 and not float(hp["local_epochs"]) > 0:
+            raise HyperparameterError(f"{cls.name}: local_epochs must be > 0")
 
     def local_update(self, state: PeerState, ctx: TrainContext, round: int) -> dict[str, float]:
         steps = int(self.hp["local_steps"])

@@ -2,7 +2,7 @@
 
 Why here: FedRoD is the fourth parameter-server baseline of DePRL's Table 7 (spec 004 §2). Its
 server is plain FedAvg over the body and a *generic* head; each client also keeps a *personal*
-head. So, like Ditto (``p2pfl.flower.ditto``), it is a local rule run by
+head. So, like Ditto (``p2pfl.algorithms.ditto``), it is a local rule run by
 ``p2pfl flower --baseline fedrod``.
 
 The model's one declared head (``PersonalModel.HEAD``, a ``nn.Linear``) is the generic head g. The
