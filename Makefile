@@ -43,10 +43,12 @@ tools:
 
 test: data tools
 	$(BIN)/ruff check p2pfl peers tests bench
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check p2pfl peers tests bench
+	$(BIN)/lint-imports
 
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. p2pfl/proto/peer.proto

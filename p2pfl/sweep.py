@@ -85,7 +85,7 @@ class Case:
 
     name: str
     overrides: tuple[tuple[str, Any], ...]
-    flower: str | None = None  # a parameter-server baseline (p2pfl.flower.baselines) instead of simulate
+    flower: str | None = None  # a parameter-server baseline (p2pfl.centralized.baselines) instead of simulate
 
 
 @dataclass(frozen=True)
@@ -359,7 +359,7 @@ def plan_cells(spec: SweepSpec, *, jobs: int = 1, cores: int | None = None) -> l
                     data["simulation"] = {**sim, "workers": max(1, min(workers, per_job))}
             cfg = parse_config(data, base=spec.base.parent)  # the whole experiment, topology file included
             if case is not None and case.flower is not None:
-                from p2pfl.flower.baselines import baseline_of
+                from p2pfl.centralized.baselines import baseline_of
 
                 baseline_of(case.flower, cfg.algorithm_name)  # an unknown baseline or a wrong local rule
         except Exception as exc:  # noqa: BLE001 - e.g. a preset's module fails to import: refuse, say why

@@ -54,7 +54,7 @@ def train_then_evaluate_one_client(cfg: Any, exp: Any, baseline: str) -> tuple[A
 
     from flwr.app import ConfigRecord, Context, MessageType, RecordDict
 
-    from p2pfl.flower.baselines import BaselinePeers, initial_arrays
+    from p2pfl.centralized.baselines import BaselinePeers, initial_arrays
     from p2pfl.flower.records import instruction
 
     peers = BaselinePeers(json.loads(json.dumps(cfg.raw)), baseline)

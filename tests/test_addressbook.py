@@ -131,8 +131,8 @@ def test_compose_and_k8s_place_a_graph_only_topology_without_rewriting_it(tmp_pa
     topo_text = (tmp_path / "topology.yaml").read_text()
     graph_hash = load_topology(tmp_path / "topology.yaml").hash()
     sim_hash = Experiment.from_config(load_config(cfg)).topology.hash()
-    from p2pfl.deploy.compose import compose_command
-    from p2pfl.topology.cli import app as topology_app
+    from p2pfl.cli.compose import compose_command
+    from p2pfl.cli.topology import app as topology_app
 
     app = typer.Typer(add_completion=False)
     app.command()(compose_command)

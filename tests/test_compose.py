@@ -21,12 +21,12 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
+from p2pfl.cli.compose import compose_command
 from p2pfl.deploy.compose import (
     IN_ADDRESSES,
     IN_CERTS,
     IN_TOPOLOGY,
     ComposeError,
-    compose_command,
     compose_topology,
     render_compose,
     service_name,

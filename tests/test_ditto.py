@@ -18,9 +18,9 @@ import yaml
 
 from p2pfl.algorithms import TrainContext
 from p2pfl.algorithms.ditto import PERSONAL
+from p2pfl.centralized.baselines import baseline_of, run_baseline
 from p2pfl.config import load_config
 from p2pfl.experiment import Experiment
-from p2pfl.flower.baselines import baseline_of, run_baseline
 from p2pfl.modelpool import ModelPool
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
 from tests.conftest import tiny_config, train_then_evaluate_one_client

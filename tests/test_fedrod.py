@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from p2pfl.algorithms import TrainContext
 from p2pfl.algorithms.fedrod import PERSONAL_HEAD
+from p2pfl.centralized.baselines import baseline_of, run_baseline
 from p2pfl.config import load_config
 from p2pfl.experiment import Experiment
-from p2pfl.flower.baselines import baseline_of, run_baseline
 from p2pfl.modelpool import ModelPool
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
 from tests.conftest import tiny_config, train_then_evaluate_one_client

@@ -21,9 +21,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 
 from p2pfl.algorithms import TrainContext
 from p2pfl.badinput import BadInput
-from p2pfl.config import ExperimentConfig, load_config
-from p2pfl.experiment import Experiment
-from p2pfl.flower.baselines import (
+from p2pfl.centralized.baselines import (
     STATE_PERSONAL,
     BaselinePeers,
     baseline_of,
@@ -33,6 +31,8 @@ from p2pfl.flower.baselines import (
     ray_available,
     run_baseline,
 )
+from p2pfl.config import ExperimentConfig, load_config
+from p2pfl.experiment import Experiment
 from p2pfl.flower.records import instruction, number, record_of
 from p2pfl.modelpool import ModelPool
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
@@ -168,7 +168,7 @@ def test_flower_command_writes_the_run_folder(fedper: FedPerRun, tmp_path: Path)
     import typer
     from typer.testing import CliRunner
 
-    from p2pfl.flower.cli import flower_command
+    from p2pfl.cli.flower import flower_command
 
     cli = typer.Typer()
     cli.command("flower")(flower_command)

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from p2pfl.centralized.baselines import SERVER, run_baseline
 from p2pfl.config import load_config
-from p2pfl.flower.baselines import SERVER, run_baseline
 from p2pfl.sweep import simulate_command
 from tests.conftest import tiny_config
 

@@ -20,8 +20,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from p2pfl.cli.k8s import k8s_command
 from p2pfl.deploy.compose import ComposeError
-from p2pfl.deploy.k8s import GRPC_PORT, SERVICE, k8s_command, render_k8s
+from p2pfl.deploy.k8s import GRPC_PORT, SERVICE, render_k8s
 from p2pfl.security.certs import make_certs
 from p2pfl.topology import load_topology, parse_topology
 from p2pfl.topology.addressbook import parse_address_book

@@ -18,10 +18,10 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
+from p2pfl.cli.sweep import register
 from p2pfl.report import find_runs, make_report
 from p2pfl.runfolder import read_metrics
 from p2pfl.sweep import SweepError, available_cores, cell_name, load_sweep, parse_sweep, plan_cells, run_sweep
-from p2pfl.sweep_cli import register
 from tests.conftest import tiny_config
 
 CELLS = ["local__seed=1", "local__seed=2", "dfedavg__seed=1", "dfedavg__seed=2"]

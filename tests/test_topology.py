@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from p2pfl.cli.topology import app
 from p2pfl.topology import (
     MixingPlan,
     Topology,
@@ -20,7 +21,6 @@ from p2pfl.topology import (
     parse_topology,
     spectral_gap,
 )
-from p2pfl.topology.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "topology").glob("*.yaml"))

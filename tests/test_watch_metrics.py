@@ -20,9 +20,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from p2pfl.cli.watch import watch_command
 from p2pfl.node_metrics import MetricsServer, NodeMetrics, parse_exposition
 from p2pfl.security.certs import make_certs
-from p2pfl.watch import snapshot_compose, snapshot_run_dir, watch_command
+from p2pfl.watch import snapshot_compose, snapshot_run_dir
 from tests.conftest import tiny_config
 from tests.test_launch import free_base_port
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
-    from .spec import Topology
+    from p2pfl.topology.spec import Topology
 
 app = typer.Typer(
     name="topology",
@@ -34,7 +34,7 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def _load(path: Path) -> Topology:
-    from .spec import TopologyError, load_topology
+    from p2pfl.topology.spec import TopologyError, load_topology
 
     try:
         return load_topology(path)
@@ -72,8 +72,8 @@ def gen(
 ) -> None:
     """Generate a standard topology and write it as YAML (with inline addresses, or the graph only
     plus an address book beside it with --addresses-out)."""
-    from .generators import generate
-    from .spec import TopologyError
+    from p2pfl.topology.generators import generate
+    from p2pfl.topology.spec import TopologyError
 
     try:
         topo = generate(
@@ -90,7 +90,7 @@ def gen(
     except TopologyError as e:
         raise _fail(str(e)) from None
     if addresses_out is not None:
-        from .addressbook import AddressBook
+        from p2pfl.topology.addressbook import AddressBook
 
         graph = topo.graph_only()
         try:
@@ -117,7 +117,7 @@ def check(
     mode: Annotated[str, typer.Option(help="pull (row-stochastic) | push (column-stochastic)")] = "pull",
 ) -> None:
     """Validate a topology file and print its peers, edges, stochasticity and spectral gap."""
-    from .mixing import (
+    from p2pfl.topology.mixing import (
         DENSE_EIG_LIMIT,
         is_column_stochastic,
         is_doubly_stochastic,
@@ -125,7 +125,7 @@ def check(
         is_symmetric,
         spectral_gap,
     )
-    from .spec import ExplicitWeights, Peer, TopologyError
+    from p2pfl.topology.spec import ExplicitWeights, Peer, TopologyError
 
     topo = _load(file)
     try:
@@ -185,8 +185,8 @@ def show(
     import matplotlib.pyplot as plt
     import networkx as nx
 
-    from .generators import grid_shape
-    from .spec import TopologyError
+    from p2pfl.topology.generators import grid_shape
+    from p2pfl.topology.spec import TopologyError
 
     topo = _load(file)
     if topo.schedule is not None:

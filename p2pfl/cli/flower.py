@@ -26,8 +26,8 @@ def flower_command(config: ConfigOpt, rounds: Annotated[int | None, typer.Option
                    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
     """Centralized baseline: CONFIG's peers as Flower nodes under Flower's FedAvg (same data, models, local rule)."""
     from p2pfl.badinput import BadInput
-    from p2pfl.cli import _load, _setup_logging, default_run_dir, print_summary
-    from p2pfl.flower.baselines import run_baseline
+    from p2pfl.centralized.baselines import run_baseline
+    from p2pfl.cli.main import _load, _setup_logging, default_run_dir, print_summary
 
     _setup_logging(verbose)
     cfg = _load(config, set, rounds)
@@ -35,7 +35,7 @@ def flower_command(config: ConfigOpt, rounds: Annotated[int | None, typer.Option
     try:
         summary = run_baseline(cfg, run_dir, baseline, runtime=runtime, verbose=verbose, resume=resume)
     except BadInput:
-        raise  # one line, exit 2 (p2pfl.cli.main)
+        raise  # one line, exit 2 (p2pfl.cli.main.main)
     except (ValueError, RuntimeError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -47,7 +47,7 @@ def _config(run_config: dict[str, Any]) -> Any:
 
 
 def _baseline_peers(context: Context) -> Any:
-    from p2pfl.flower.baselines import baseline_peers, portable_config
+    from p2pfl.centralized.baselines import baseline_peers, portable_config
 
     rc = dict(context.run_config)
     key = (str(rc.get("config")), str(rc.get("baseline", "fedper")), int(rc.get("rounds", 0) or 0))
@@ -71,8 +71,8 @@ def evaluate(msg: Message, context: Context) -> Message:
 def main(grid: Grid, context: Context) -> None:
     from flwr.app import ConfigRecord
 
+    from p2pfl.centralized.baselines import RecordingFedAvg, baseline_of, finish_run_folder, initial_arrays
     from p2pfl.experiment import Experiment
-    from p2pfl.flower.baselines import RecordingFedAvg, baseline_of, finish_run_folder, initial_arrays
     from p2pfl.runfolder import RunFolder
 
     rc = dict(context.run_config)

@@ -175,7 +175,7 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
 @app.command()
 def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="this peer's id in the topology")],
          out: Annotated[Path, typer.Option(help="run folder (metrics-<peer>.jsonl, checkpoints/)")] = Path("runs/node"),
-         certs: Annotated[Path | None, typer.Option(help="folder made by `p2pfl certs` (mutual TLS)")] = None,
+         certs: Annotated[Path | None, typer.Option(help="folder made by 'p2pfl certs' (mutual TLS)")] = None,
          insecure: Annotated[bool, typer.Option("--insecure", help="plaintext gRPC (explicit opt-in)")] = False,
          threads: Annotated[int, typer.Option(help="torch CPU threads (1 = bitwise equal to simulate)")] = 1,
          metrics_port: Annotated[int | None, typer.Option(
@@ -260,11 +260,12 @@ def certs(config: ConfigOpt, out: Annotated[Path, typer.Option(help="folder for 
     """Make a CA and one certificate per peer id of CONFIG's topology (mutual TLS)."""
     cfg = _load(config, set)
     from p2pfl.security.certs import make_certs
+    from p2pfl.topology.address import split_address
     from p2pfl.topology.addressbook import placed_topology
 
     # Peer ids were checked with the config (no 'ca', no odd names); a graph-only topology adds no host.
     topo = placed_topology(cfg.topology, cfg.network.addresses)
-    placed = {pid: [topo.address(pid).rpartition(":")[0].strip("[]")] for pid in topo.ids} if topo.has_addresses \
+    placed = {pid: [split_address(topo.address(pid))[0]] for pid in topo.ids} if topo.has_addresses \
         else {pid: [] for pid in topo.ids}
     hosts = {pid: [*placed[pid], *(host or [])] for pid in topo.ids}
     try:
@@ -316,7 +317,7 @@ def algorithms(name: Annotated[str | None, typer.Argument(help="one algorithm (d
 
 @app.command()
 def models() -> None:
-    """List the models (``model.name``) and the extra parameters each accepts."""
+    """List the models (config key model.name) and the extra parameters each accepts."""
     from p2pfl.catalog import load
 
     for row in load()["models"]:
@@ -326,7 +327,7 @@ def models() -> None:
 
 @app.command()
 def datasets() -> None:
-    """List the datasets (``data.dataset``), their parameters and the partition kinds."""
+    """List the datasets (config key data.dataset), their parameters and the partition kinds."""
     from p2pfl.catalog import load
 
     catalog = load()
@@ -363,12 +364,12 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 #: Packages a lazy command may need that an install can leave out (the peer image has no Flower).
 OPTIONAL_STACKS = frozenset({"flwr", "torchvision", "matplotlib"})
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
-    "flower": ("p2pfl.flower.cli", "flower_command"),
-    "compose": ("p2pfl.deploy.compose", "compose_command"),
-    "k8s": ("p2pfl.deploy.k8s", "k8s_command"),
-    "watch": ("p2pfl.watch", "watch_command"),
-    "sweep": ("p2pfl.sweep_cli", "sweep_command"),
-    "report": ("p2pfl.sweep_cli", "report_command"),
+    "flower": ("p2pfl.cli.flower", "flower_command"),
+    "compose": ("p2pfl.cli.compose", "compose_command"),
+    "k8s": ("p2pfl.cli.k8s", "k8s_command"),
+    "watch": ("p2pfl.cli.watch", "watch_command"),
+    "sweep": ("p2pfl.cli.sweep", "sweep_command"),
+    "report": ("p2pfl.cli.sweep", "report_command"),
 }
 
 
@@ -379,7 +380,7 @@ def _mount(argv: list[str] | None = None) -> None:
     # typer leaves CommandInfo.name unset for @app.command(); the command is then the function's name
     have = {c.name or (c.callback.__name__.replace("_", "-") if c.callback else None) for c in app.registered_commands}
     if not args or args[0] not in have:  # the topology sub-app imports numpy, pydantic and networkx
-        from p2pfl.topology.cli import app as topology_app
+        from p2pfl.cli.topology import app as topology_app
 
         if not any(g.name == "topology" for g in app.registered_groups):
             app.add_typer(topology_app, name="topology", help="generate, check and draw topology files")
