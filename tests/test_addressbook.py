@@ -75,7 +75,7 @@ def test_config_key_places_the_topology_and_simulation_needs_none(tmp_path: Path
     bare = load_config(cfg_path, ["network.addresses=null"])
     assert bare.network.addresses is None and not Experiment.from_config(bare).topology.has_addresses
     # ... and a peer process refuses to start unplaced, before it writes anything
-    from p2pfl.standalone import run_node
+    from p2pfl.node_process import run_node
 
     with pytest.raises(TopologyError, match="gives no address for peer 'p0'"):
         run_node(bare, "p0", tmp_path / "node", insecure=True)

@@ -414,7 +414,7 @@ def test_peer_image_carries_only_what_a_peer_imports() -> None:
     assert not names & {"flwr", "torchvision", "matplotlib", "torch"}
     assert {"grpcio", "grpcio-health-checking", "cryptography", "numpy", "pyyaml"} <= names
     code = ("import sys; import p2pfl.cli as c; c._mount(['node']); "
-            "import p2pfl.standalone, p2pfl.experiment, p2pfl.modelpool, p2pfl.runfolder, p2pfl.node, "
+            "import p2pfl.node_process, p2pfl.experiment, p2pfl.modelpool, p2pfl.runfolder, p2pfl.node, "
             "p2pfl.transport.grpc_transport, p2pfl.node_metrics, p2pfl.health, p2pfl.checkpoint; "
             "print(sorted(m for m in ('flwr', 'torchvision', 'matplotlib') if m in sys.modules))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)

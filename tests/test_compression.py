@@ -22,10 +22,10 @@ from p2pfl.experiment import Experiment
 from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
 from p2pfl.models.layout import TensorSpec
+from p2pfl.node_process import network_for
 from p2pfl.proto import peer_pb2
 from p2pfl.security.certs import make_certs
 from p2pfl.simulation import simulate
-from p2pfl.standalone import network_for
 from p2pfl.transport.grpc_transport import start_grpc_peer
 from p2pfl.wire import codec
 from p2pfl.wire.codec import Decoder, encode_frames, parse_frame, wire_size

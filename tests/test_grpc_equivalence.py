@@ -19,9 +19,9 @@ from p2pfl.algorithms import ALGORITHMS
 from p2pfl.config import load_config
 from p2pfl.experiment import Experiment
 from p2pfl.modelpool import ModelPool
+from p2pfl.node_process import network_for
 from p2pfl.security.certs import make_certs
 from p2pfl.simulation import simulate
-from p2pfl.standalone import network_for
 from p2pfl.transport.grpc_transport import start_grpc_peer
 from tests.conftest import tiny_config
 from tests.test_launch import free_base_port

@@ -25,7 +25,7 @@ from p2pfl.wire import (
     encode_frames,
     parse_frame,
 )
-from p2pfl.wire.codec import crc32, crc32_combine
+from p2pfl.wire.crc import crc32, crc32_combine
 from p2pfl.wire.validate import all_finite
 
 HASH = "0123456789abcdef"

@@ -191,7 +191,7 @@ def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="th
     set = _with_addresses(set, addresses)
     cfg = _load(config, set)
     _check_peer(cfg, peer, certs, insecure)
-    from p2pfl.standalone import node_main
+    from p2pfl.node_process import node_main
 
     try:
         with _no_leftovers(out, empty_only=True):
@@ -214,7 +214,7 @@ def launch(config: ConfigOpt, out: Annotated[Path | None, typer.Option(help="run
     _setup_logging(verbose)
     set = _with_addresses(set, addresses)
     cfg = _load(config, set)
-    from p2pfl.standalone import launch as run_launch
+    from p2pfl.launch import launch as run_launch
 
     run_dir = out or default_run_dir(cfg.name, cfg.algorithm_name + "-launch")
     with _making(run_dir, config):

@@ -6,14 +6,12 @@ from p2pfl.wire.codec import (
     Decoder,
     EncodedPayload,
     RawData,
-    crc32,
-    crc32_combine,
     decode,
     encode,
     encode_frames,
     parse_frame,
-    scalars_crc,
 )
+from p2pfl.wire.crc import crc32, crc32_combine, scalars_crc
 from p2pfl.wire.validate import (
     DTYPE,
     WIRE_VERSION,
