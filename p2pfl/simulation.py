@@ -15,6 +15,7 @@ generator and mixing sums in plan order.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import multiprocessing as mp
@@ -36,6 +37,8 @@ from p2pfl.resume import drop_generations, keep_generation, prepare_resume
 from p2pfl.runfolder import RunFolder
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
 from p2pfl.turns import Turns
+from p2pfl.wire.codec import decode, encode_frames, parse_frame
+from p2pfl.wire.validate import Expectation, WireError
 
 log = logging.getLogger(__name__)
 
@@ -188,23 +191,36 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
     one_malloc_arena()
 
     def forward(msg: Message, remote: list[str], size: int) -> None:
-        idx = None if msg.indices is None else msg.indices.detach().cpu().numpy().tobytes()  # top-k
-        wire = (msg.sender, msg.round, msg.step, msg.topology_hash, msg.manifest,
-                msg.flat.detach().cpu().numpy().tobytes(), dict(msg.scalars), msg.compression, idx, size)
+        # The wire codec's own frames cross the bridge: what gRPC would carry, so dtype, manifest,
+        # checksum and finiteness are checked exactly as a deployed receiver checks them.
+        frames = encode_frames(msg).frames
         for ww, count in Counter(assign[p] for p in remote).items():
-            inboxes[ww].put((wire, count))
+            inboxes[ww].put(((msg.sender, msg.round, msg.step, frames, size), count))
 
     hub = MemoryHub(local_peers=set(peers), forward=forward)
+    # What this worker's peers expect of every payload (the same for all of them: one experiment).
+    probe = exp.new_algorithm()
+    specs, scalar_keys, topology_hash = probe.wire_specs(), frozenset(probe.wire_scalars()), exp.topology.hash()
+    del probe
 
     def bridge() -> None:
         while True:
             item = inboxes[w].get()
             if item is None:
                 return
-            (sender, r, step, th, manifest, raw, scalars, comp, idx, size), count = item
-            flat = torch.frombuffer(bytearray(raw), dtype=torch.float32).to(exp.device)
-            indices = None if idx is None else torch.frombuffer(bytearray(idx), dtype=torch.int64).to(exp.device)
-            hub.put(Message(sender, r, step, th, manifest, flat, scalars, comp, indices), count, size)
+            (sender, r, step, frames, size), count = item
+            expected = Expectation(specs=specs, round=r, step=step, topology_hash=topology_hash,
+                                   senders=frozenset((sender,)), scalar_keys=scalar_keys, wire=exp.wire_format)
+            try:
+                msg = decode((parse_frame(f) for f in frames), expected)
+            except WireError as exc:
+                log.warning("worker %d: payload of %s for (round %d, step %d) refused: %s", w, sender, r, step, exc)
+                hub.refuse(sender, r, step, count, size)
+                continue
+            if msg.flat.device != exp.device:
+                msg = dataclasses.replace(msg, flat=msg.flat.to(exp.device),
+                                          indices=None if msg.indices is None else msg.indices.to(exp.device))
+            hub.put(msg, count, size)
 
     threading.Thread(target=bridge, name=f"bridge-{w}", daemon=True).start()
     models = ModelPool(exp.model_factory, 1)

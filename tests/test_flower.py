@@ -231,7 +231,7 @@ def test_a_failed_flower_runtime_leaves_no_serverapp_thread_behind(tmp_path: Pat
         raise RuntimeError("raylet did not register")
 
     monkeypatch.setattr(vce, "start_vce", failing_runtime)
-    from p2pfl.flower import baselines
+    from p2pfl.centralized import baselines
 
     sent = []
     real = baselines.StoppableGrid.send_and_receive

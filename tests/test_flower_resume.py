@@ -47,7 +47,7 @@ def test_a_run_that_failed_mid_way_resumes_to_the_uninterrupted_numbers(tmp_path
     whole = run_baseline(cfg, tmp_path / "whole", baseline, runtime="in-process")
     assert whole["resumed_from_round"] == 0
 
-    from p2pfl.flower import baselines
+    from p2pfl.centralized import baselines
 
     real = baselines.BaselinePeers.train
 

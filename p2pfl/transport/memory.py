@@ -64,7 +64,7 @@ class MemoryHub:
         self._lock = threading.Lock()
         # key -> (message, local reads left, its wire size, whether its values are all finite):
         # both computed once per board, when stored (the payload is then still in the cache)
-        self._board: dict[tuple[str, int, int], tuple[Message, int, int, bool]] = {}
+        self._board: dict[tuple[str, int, int], tuple[Message | None, int, int, bool]] = {}
         self._waiters: dict[tuple[str, int, int], list[_Reader]] = {}
         self._aborted: str | None = None
 
@@ -86,10 +86,17 @@ class MemoryHub:
         """Store ``message`` for ``count`` local reads (``size``: its wire size, computed here if not given)."""
         if count <= 0:
             return
-        key = (message.sender, message.round, message.step)
         if size is None:
             size = wire_size(message)
-        ok = _finite(message)
+        self._store((message.sender, message.round, message.step), message, count, size, _finite(message))
+
+    def refuse(self, sender: str, round: int, step: int, count: int, size: int) -> None:
+        """Record that ``sender``'s payload for (round, step) arrived and was refused (the bridge's
+        decoder said why): its ``count`` local readers get it as rejected, as from a NaN payload."""
+        if count > 0:
+            self._store((sender, round, step), None, count, size, False)
+
+    def _store(self, key: tuple[str, int, int], message: Message | None, count: int, size: int, ok: bool) -> None:
         ready = []
         with self._lock:
             self._board[key] = (message, count, size, ok)
