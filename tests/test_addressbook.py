@@ -28,6 +28,7 @@ from p2pfl.topology.addressbook import (
     placed_topology,
 )
 from tests.conftest import tiny_config
+from tests.swarm import free_base_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -178,7 +179,6 @@ def test_loopback_book_gives_distinct_free_ports() -> None:
 
 @pytest.mark.timeout(240)
 def test_launch_on_loopback_from_a_separate_address_book(tmp_path: Path) -> None:
-    from tests.test_launch import free_base_port
 
     base = free_base_port(2)
     cfg = split_config(tmp_path, peers=2, rounds=1, ports=[base, base + 1])

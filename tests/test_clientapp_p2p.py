@@ -33,7 +33,7 @@ from p2pfl.topology import MixingPlan, generate
 from p2pfl.transport.base import ExchangeResult, Transport
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
 from p2pfl.wire.codec import encode_frames, parse_frame
-from tests.test_launch import free_base_port, records
+from tests.swarm import free_base_port, records
 
 PEERS = ["p0", "p1", "p2"]
 ROUNDS = 2

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 import zlib
 from pathlib import Path
 
@@ -20,19 +19,15 @@ import torch
 from p2pfl.config import ConfigError, load_config
 from p2pfl.experiment import Experiment
 from p2pfl.messages import Message
-from p2pfl.modelpool import ModelPool
 from p2pfl.models.layout import TensorSpec
-from p2pfl.node_process import network_for
 from p2pfl.proto import peer_pb2
-from p2pfl.security.certs import make_certs
 from p2pfl.simulation import simulate
-from p2pfl.transport.grpc_transport import start_grpc_peer
 from p2pfl.wire import codec
 from p2pfl.wire.codec import Decoder, encode_frames, parse_frame, wire_size
 from p2pfl.wire.compress import TOPK_REF, WireFormat, compress_outgoing, densify, topk_count
 from p2pfl.wire.validate import Expectation, Reason, WireError
 from tests.conftest import tiny_config
-from tests.test_launch import free_base_port
+from tests.swarm import free_base_port, run_grpc
 
 SPECS = (TensorSpec("w", (4, 5), 0, 20), TensorSpec("b", (5,), 20, 5), TensorSpec("mask/w", (4, 5), 25, 20, "bit"))
 FLOAT = SPECS[:2]
@@ -188,43 +183,6 @@ def test_topk_refused_where_it_cannot_apply(tmp_path: Path) -> None:
 
 
 # ---- simulate == gRPC, bytes included ----------------------------------------------------------------
-
-
-def run_grpc(cfg, tmp_path: Path) -> tuple[list, list[dict]]:
-    """Run ``cfg``'s peers as threads, each with its own gRPC server over mutual TLS (as in
-    test_grpc_equivalence); return the nodes and their records."""
-    certs = tmp_path / "certs"
-    exp = Experiment.from_config(cfg)
-    make_certs(list(exp.topology.ids), certs)
-    network = network_for(cfg, certs, insecure=False)
-    algo = exp.new_algorithm()
-    transports = [start_grpc_peer(exp.topology, pid, network, expected_specs=algo.wire_specs(),
-                                  scalar_keys=algo.wire_scalars(), seed=cfg.seed, mode=algo.mode)
-                  for pid in exp.topology.ids]
-    records: list[dict] = []
-    errors: list[BaseException] = []
-    torch.set_num_threads(1)
-    try:
-        nodes = [exp.make_node(pid, transport=t, models=ModelPool(exp.model_factory, 1), record=records.append,
-                               run_dir=tmp_path / "grpc") for pid, t in zip(exp.topology.ids, transports, strict=True)]
-
-        def run(node) -> None:
-            try:
-                node.run()
-            except BaseException as exc:  # noqa: BLE001 - surfaced below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(n,)) for n in nodes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-        assert not errors, errors
-        assert not any(t.is_alive() for t in threads)
-    finally:
-        for t in transports:
-            t.close()
-    return nodes, records
 
 
 def assert_same_as_simulation(cfg, tmp_path: Path) -> tuple[list[dict], list[dict]]:

@@ -21,7 +21,7 @@ import pytest
 
 from p2pfl.security.certs import make_certs
 from tests.conftest import tiny_config
-from tests.test_launch import _node, free_base_port, records
+from tests.swarm import free_base_port, records, spawn_node
 
 PEERS = ["p0", "p1", "p2", "p3"]
 
@@ -31,7 +31,7 @@ def peers(cfg: Path, out: Path, tmp: Path, ids: list[str] = PEERS) -> Iterator[d
     """Start one `p2pfl node` per peer (mutual TLS); kill every process group still alive at the end."""
     certs = tmp / "certs"
     make_certs(PEERS, certs)
-    procs = {pid: _node(cfg, pid, out, certs, tmp / f"{pid}.log") for pid in ids}
+    procs = {pid: spawn_node(cfg, pid, out, certs, tmp / f"{pid}.log") for pid in ids}
     try:
         yield procs
     finally:
@@ -129,7 +129,7 @@ def test_kill9_and_restart_at_a_random_instant_rejoins_within_two_rounds(tmp_pat
         procs["p3"].wait(10)
         time.sleep(rng.uniform(0.5, 2.0))
         before = len(rounds_of(out, "p3"))
-        procs["p3"] = _node(cfg, "p3", out, tmp_path / "certs", tmp_path / "p3.log")
+        procs["p3"] = spawn_node(cfg, "p3", out, tmp_path / "certs", tmp_path / "p3.log")
         finish(procs, tmp_path)
     log3 = (tmp_path / "p3.log").read_text()
     assert "resum" in log3

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,36 +18,9 @@ from p2pfl.config import load_config
 from p2pfl.security.certs import make_certs
 from p2pfl.simulation import simulate
 from tests.conftest import tiny_config
+from tests.swarm import free_base_port, params, records, spawn_node
 
 PEERS = ["p0", "p1", "p2", "p3"]
-
-
-def free_base_port(n: int = 4) -> int:
-    """A base port with ``n`` consecutive free loopback ports."""
-    for _ in range(200):
-        base = random.randint(20000, 60000)
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def params(run: Path, pid: str) -> np.ndarray:
-    with np.load(run / "checkpoints" / f"{pid}.npz") as z:
-        return z["params"].copy()
 
 
 @pytest.mark.timeout(240)
@@ -78,12 +49,6 @@ def test_launch_with_tls_matches_simulation_bitwise(tmp_path: Path) -> None:
     assert [r["acc"] for r in recs] == [r["acc"] for r in records(sim / "metrics.jsonl")]
 
 
-def _node(cfg: Path, pid: str, out: Path, certs: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "p2pfl.cli", "node", "--config", str(cfg), "--peer", pid,
-                             "--out", str(out), "--certs", str(certs)],
-                            stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
 @pytest.mark.timeout(240)
 def test_peer_killed_mid_run_others_finish_and_it_resumes(tmp_path: Path) -> None:
     rounds = 10
@@ -91,7 +56,7 @@ def test_peer_killed_mid_run_others_finish_and_it_resumes(tmp_path: Path) -> Non
                       network={"round_timeout_s": 3.0})
     out, certs = tmp_path / "run", tmp_path / "certs"
     make_certs(PEERS, certs)
-    procs = {pid: _node(cfg, pid, out, certs, tmp_path / f"{pid}.log") for pid in PEERS}
+    procs = {pid: spawn_node(cfg, pid, out, certs, tmp_path / f"{pid}.log") for pid in PEERS}
     try:
         victim = out / "metrics-p3.jsonl"
         t0 = time.monotonic()
@@ -117,7 +82,7 @@ def test_peer_killed_mid_run_others_finish_and_it_resumes(tmp_path: Path) -> Non
         assert any("p3" in r["missing"] for r in records(out / "metrics-p2.jsonl"))
         assert killed_at < rounds
         # restart: resumes from its checkpoint (not from round 0) and completes every round
-        procs["p3"] = _node(cfg, "p3", out, certs, tmp_path / "p3.log")
+        procs["p3"] = spawn_node(cfg, "p3", out, certs, tmp_path / "p3.log")
         assert procs["p3"].wait(120) == 0, (tmp_path / "p3.log").read_text()[-3000:]
         rounds_p3 = [r["round"] for r in records(victim)]
         assert rounds_p3[-1] == rounds - 1
@@ -138,7 +103,7 @@ def test_sigterm_stops_every_peer_cleanly_between_rounds(tmp_path: Path) -> None
     cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds, network={"round_timeout_s": 5.0})
     out, certs = tmp_path / "run", tmp_path / "certs"
     make_certs(PEERS, certs)
-    procs = {pid: _node(cfg, pid, out, certs, tmp_path / f"{pid}.log") for pid in PEERS}
+    procs = {pid: spawn_node(cfg, pid, out, certs, tmp_path / f"{pid}.log") for pid in PEERS}
     try:
         t0 = time.monotonic()
         while len(records(out / "metrics-p0.jsonl")) < 2:

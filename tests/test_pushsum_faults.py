@@ -21,6 +21,18 @@ import numpy as np
 import pytest
 
 from tests.conftest import tiny_config
+from tests.swarm import (
+    CFG_TLS,
+    CHUNK,
+    SPECS,
+    Cluster,
+    cluster,
+    free_base_port,
+    message,
+    records,
+    ring,
+    spawn_node,
+)
 from tests.test_gossip_faults import (
     PEERS,
     assert_each_round_once,
@@ -30,7 +42,6 @@ from tests.test_gossip_faults import (
     random_instant,
     wait_rounds,
 )
-from tests.test_launch import _node, free_base_port, records
 
 PUSH = {"name": "dfedpgp", "mix_mode": "push", "body_local": 1, "head_local": 1}
 
@@ -92,7 +103,7 @@ def test_both_ends_of_an_edge_killed_at_random_instants_lose_no_mass(tmp_path: P
         kill(procs, second)
         for pid in (first, second):  # back at different times: one may find the other still down
             time.sleep(rng.uniform(0.2, 2.0))
-            procs[pid] = _node(cfg, pid, out, tmp_path / "certs", tmp_path / f"{pid}.log")
+            procs[pid] = spawn_node(cfg, pid, out, tmp_path / "certs", tmp_path / f"{pid}.log")
         finish(procs, tmp_path)
     assert "resum" in (tmp_path / "p1.log").read_text() + (tmp_path / "p2.log").read_text()
     assert_mass_and_finite(out, rounds)
@@ -130,7 +141,6 @@ def test_the_ledger_settles_a_rolled_back_receiver_and_a_rolled_back_sender(cert
     after a restart from an older checkpoint) absorbs the lost weight on the next push; a sender
     whose totals roll back gives what its receiver already absorbed (at most half of what it keeps
     per step, the rest on the next push). Without a rollback nothing is settled."""
-    from tests.test_grpc_peer import cluster, message, ring
 
     topo = ring(4)
     mu = {"mu": 1.0}
@@ -173,7 +183,6 @@ def test_in_the_last_round_a_debt_above_the_per_step_cap_is_settled_in_full(cert
     """The CI failure of 0a25630, in process: a sender owes more than half of what it keeps, and the
     push that settles it is its last (round 7 of 8). There is no next push for the rest, so the
     last round pays it all: the edge's totals agree and sum(mu) = n at the end."""
-    from tests.test_grpc_peer import cluster, message, ring
 
     topo = ring(4)
     mu = {"mu": 1.0}
@@ -229,7 +238,6 @@ def test_a_receiver_restarted_while_its_senders_are_gone_restores_what_it_mixed_
     from p2pfl.security import TLSConfig
     from p2pfl.transport.grpc_service import PeerServer
     from p2pfl.transport.grpc_transport import GrpcTransport
-    from tests.test_grpc_peer import CFG_TLS, CHUNK, SPECS, Cluster, cluster, message, ring
 
     topo = ring(4)
     mu = {"mu": 1.0}
@@ -276,7 +284,6 @@ def test_a_finished_receiver_serves_on_until_a_sender_replaying_its_last_round_h
     they have finished. Its neighbours serve on until p1 reports finished, so its replayed pushes
     get an answer (OK again, or "round over" with the total absorbed after a restart) and p1 gives
     the shares it still counts: every edge's totals agree. (Before, a finished receiver left at once and p1 kept them: sum mu = 4.5.)"""
-    from tests.test_grpc_peer import cluster, message, ring
 
     topo = ring(4)
     mu = {"mu": 1.0}

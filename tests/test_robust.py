@@ -21,8 +21,8 @@ from p2pfl.messages import Message
 from p2pfl.simulation import simulate
 from p2pfl.topology import MixingPlan
 from tests.conftest import tiny_config
+from tests.swarm import free_base_port
 from tests.test_compression import assert_same_as_simulation
-from tests.test_launch import free_base_port
 
 ATTACKS = ("huge", "opposite", "inside")
 

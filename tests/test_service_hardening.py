@@ -33,7 +33,7 @@ from p2pfl.transport.grpc_service import PULL_METHOD, PUSH_METHOD, PeerServer, c
 from p2pfl.transport.grpc_transport import GrpcTransport
 from p2pfl.transport.limits import RateLimitedLog, bounded
 from p2pfl.wire import Expectation, Reason, WireError, decode, encode, scalars_crc
-from tests.test_grpc_peer import CHUNK, SPECS, _free_ports, certs, client_channel, message, ring, rpc_error
+from tests.swarm import CHUNK, SPECS, certs, client_channel, free_ports, message, ring, rpc_error
 
 __all__ = ["certs"]  # the module-scoped certificate fixture (p0..p3 and "intruder"), shared
 
@@ -45,7 +45,7 @@ def _complete(n: int) -> Topology:
     ids = [f"p{i}" for i in range(n)]
     return parse_topology({
         "name": f"test-complete-{n}",
-        "peers": [{"id": p, "address": f"127.0.0.1:{port}"} for p, port in zip(ids, _free_ports(n), strict=True)],
+        "peers": [{"id": p, "address": f"127.0.0.1:{port}"} for p, port in zip(ids, free_ports(n), strict=True)],
         "edges": [[a, b] for i, a in enumerate(ids) for b in ids[i + 1:]],
     })
 

@@ -25,7 +25,7 @@ from p2pfl.node_metrics import MetricsServer, NodeMetrics, parse_exposition
 from p2pfl.security.certs import make_certs
 from p2pfl.watch import snapshot_compose, snapshot_run_dir
 from tests.conftest import tiny_config
-from tests.test_launch import free_base_port
+from tests.swarm import free_base_port
 
 PEERS = ["p0", "p1", "p2", "p3"]
 
@@ -105,7 +105,7 @@ def test_metrics_server_serves_only_metrics_and_refuses_a_taken_port() -> None:
 # ---- a real node process -----------------------------------------------------------------------------
 
 
-def _node(cfg: Path, pid: str, out: Path, certs: Path, log: Path, metrics_port: int | None) -> subprocess.Popen:
+def spawn_node(cfg: Path, pid: str, out: Path, certs: Path, log: Path, metrics_port: int | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "p2pfl.cli", "node", "--config", str(cfg), "--peer", pid, "--out", str(out),
            "--certs", str(certs)]
     if metrics_port is not None:
@@ -122,7 +122,7 @@ def test_node_serves_metrics_and_watch_follows_the_deployment(tmp_path: Path) ->
     make_certs(PEERS, certs)
     mports = {pid: base + 4 + i for i, pid in enumerate(PEERS)}
     # p3 serves no metrics: off unless asked for
-    procs = {pid: _node(cfg, pid, out, certs, tmp_path / f"{pid}.log", None if pid == "p3" else mports[pid])
+    procs = {pid: spawn_node(cfg, pid, out, certs, tmp_path / f"{pid}.log", None if pid == "p3" else mports[pid])
              for pid in PEERS}
     # what `p2pfl compose` records for `p2pfl watch --compose`
     compose = tmp_path / "docker-compose.yml"
