@@ -214,3 +214,22 @@ def test_app_config_and_directory_errors_name_the_file_and_key(tmp_path: Path) -
         load_config(write_config(tmp_path, app=no_components))
     with pytest.raises(BadInput, match=r"config.yaml: app_init: missing"):
         load_config(write_config(tmp_path, app="peers.quickstart:app"))
+
+
+@pytest.mark.timeout(300)
+def test_app_dir_runs_under_launch_one_process_per_peer(tmp_path: Path) -> None:
+    """Each `p2pfl node` process imports the app from its directory and starts from the ServerApp's model.
+
+    Metrics are not compared with simulate: the template shuffles with torch's global RNG, which
+    the peers of one simulate worker share and launched peers do not.
+    """
+    write_config(tmp_path, sharing={"running_stats": "personal"})
+    proc = subprocess.run([sys.executable, "-m", "p2pfl.cli", "launch", "-c", "config.yaml", "--out", "run",
+                           "--timeout", "200"], capture_output=True, text=True, timeout=260, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = records(tmp_path / "run" / "metrics.jsonl")
+    assert sorted((r["round"], r["peer"]) for r in recs) == [(r, p) for r in range(ROUNDS) for p in PEERS]
+    for p in PEERS:
+        st = load_checkpoint(tmp_path / "run" / "checkpoints" / f"{p}.npz")[0]
+        assert int(st.extra[f"{HELD_PREFIX}bn1.num_batches_tracked"]) == ROUNDS * BATCHES

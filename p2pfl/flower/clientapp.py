@@ -7,9 +7,15 @@ A config names the app instead of a built-in algorithm::
     app_config: {lr: 0.05, local-epochs: 1}   # -> context.run_config
     sharing: {personal: [fc3.]}          # state-dict key prefixes that never leave the peer
 
+or names a Flower App directory (``app: path/to/app``, see ``p2pfl.flower.appdir``): the
+ClientApp and ServerApp from its pyproject, the initial model and train config from what its
+ServerApp would send in round 1 (``p2pfl.flower.capture``); ``app_init`` and
+``app_train_config`` stay explicit overrides.
+
 Each round the Node calls ``ClientAppAlgorithm.local_update``, which sends the app a train
 ``Message`` holding ``"arrays"`` (the full state: the mixed shared part plus the peer's own
-personal part) and ``"config"`` (``server-round``), and copies the returned arrays back. The
+personal and held parts, ``p2pfl.flower.appstate``) and ``"config"`` (``server-round`` and the
+run's train config), and copies the returned arrays back. The
 Node then gossips the shared keys with the topology's weights (the Algorithm's default pull
 mixing) and evaluates through ``ClientAppEvaluator``, which sends an evaluate ``Message``.
 
