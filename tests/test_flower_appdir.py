@@ -233,3 +233,41 @@ def test_app_dir_runs_under_launch_one_process_per_peer(tmp_path: Path) -> None:
     for p in PEERS:
         st = load_checkpoint(tmp_path / "run" / "checkpoints" / f"{p}.npz")[0]
         assert int(st.extra[f"{HELD_PREFIX}bn1.num_batches_tracked"]) == ROUNDS * BATCHES
+
+
+def test_capture_takes_the_strategys_own_round1_content_and_survives_except_exception() -> None:
+    from flwr.app import ConfigRecord, Context, MessageType, RecordDict
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.serverapp.strategy import FedProx
+
+    from p2pfl.flower.capture import capture_server_start
+
+    state = {"w": torch.arange(3.0)}
+    guarded = ServerApp()
+
+    @guarded.main()
+    def main(grid: Grid, context: Context) -> None:
+        try:  # an app that catches everything must not swallow the stop
+            FedProx(proximal_mu=0.5, fraction_train=0.0).start(
+                grid=grid, initial_arrays=ArrayRecord(state), train_config=ConfigRecord({"lr": context.run_config["lr"]}),
+                evaluate_config=ConfigRecord({"batch": 8}))
+        except Exception:  # noqa: BLE001
+            pass
+        raise AssertionError("the ServerApp went on after its strategy started")
+
+    got = capture_server_start(guarded, {"lr": 0.3}, run_id=1, seed=0, num_nodes=1)
+    assert torch.equal(torch.from_numpy(got.arrays["w"].numpy()), state["w"])
+    assert got.train is not None and dict(got.train["config"]) == {"lr": 0.3, "server-round": 1}
+    assert got.evaluate is not None and dict(got.evaluate["config"]) == {"batch": 8, "server-round": 1}
+
+    own = ServerApp()
+
+    @own.main()
+    def main2(grid: Grid, context: Context) -> None:  # no strategy: it sends its own messages
+        content = RecordDict({"model": ArrayRecord(state), "cfg": ConfigRecord({"lr": 0.7})})
+        grid.send_and_receive([grid.create_message(content, MessageType.TRAIN, nid, "1") for nid in grid.get_node_ids()])
+
+    got = capture_server_start(own, {}, run_id=1, seed=0, num_nodes=2)
+    assert torch.equal(torch.from_numpy(got.arrays["w"].numpy()), state["w"]) and got.train is not None
+    assert dict(round_content(got.train, ArrayRecord(), 2)["cfg"]) == {"lr": 0.7}
+    assert list(round_content(got.train, ArrayRecord({"w": torch.zeros(3)}), 2)) == ["model", "cfg"]

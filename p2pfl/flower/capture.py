@@ -35,12 +35,17 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from p2pfl.flower.records import ARRAYS_KEY, CONFIG_KEY, SERVER_ROUND
+
 SERVER_NODE_ID = 1  # Flower's SUPERLINK_NODE_ID: the node a ServerApp runs as
 _lock = threading.Lock()  # Strategy.start and TaskIdentity are process-wide
 
 
-class _Stop(Exception):  # noqa: N818 - private control flow, never seen outside this module
-    """Raised inside the ServerApp once round 1 is configured: nothing after it may run."""
+class _Stop(BaseException):  # noqa: N818 - private control flow, never seen outside this module
+    """Raised inside the ServerApp once round 1 is configured: nothing after it may run.
+
+    A BaseException, so an app's own ``except Exception`` does not swallow it.
+    """
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,11 @@ class CapturingGrid(Grid):
         return self.push_messages(messages)
 
 
+def _content(arrays: ArrayRecord, config: ConfigRecord | None) -> RecordDict:
+    """What Flower's FedAvg would send: the arrays and the config with ``server-round``."""
+    return RecordDict({ARRAYS_KEY: arrays, CONFIG_KEY: ConfigRecord({**dict(config or {}), SERVER_ROUND: 1})})
+
+
 def _first_content(messages: Iterable[Message]) -> RecordDict | None:
     first = next(iter(messages), None)
     return None if first is None else first.content
@@ -112,10 +122,12 @@ def capture_server_start(app: ServerApp, run_config: dict[str, Any], *, run_id: 
         # Enough nodes for the strategy's minimums, so its sampling never waits for more to connect.
         need = [getattr(self, k, 0) for k in ("min_available_nodes", "min_train_nodes", "min_evaluate_nodes")]
         grid = CapturingGrid(run_id, max([num_nodes, *[n for n in need if isinstance(n, int)]]))
+        # A strategy that samples no one (fraction 0) still says what its config would be.
         found["train"] = _first_content(self.configure_train(1, initial_arrays, ConfigRecord(dict(train_config or {})),
-                                                             grid))
+                                                             grid)) or _content(initial_arrays, train_config)
         found["evaluate"] = _first_content(self.configure_evaluate(
-            1, initial_arrays, ConfigRecord(dict(evaluate_config or {})), grid))
+            1, initial_arrays, ConfigRecord(dict(evaluate_config or {})), grid)) or _content(initial_arrays,
+                                                                                                evaluate_config)
         raise _Stop
 
     context = Context(run_id=run_id, node_id=SERVER_NODE_ID, node_config={}, state=RecordDict(),
@@ -125,6 +137,9 @@ def capture_server_start(app: ServerApp, run_config: dict[str, Any], *, run_id: 
             app(grid, context)
         except _Stop:
             pass
+        except Exception:
+            if not found and not grid.sent:  # it failed before saying anything: the caller names it
+                raise
     if "arrays" not in found and grid.sent:  # a ServerApp that sends its own messages
         content = grid.sent[0].content
         train = content if grid.sent[0].metadata.message_type == MessageType.TRAIN else None
