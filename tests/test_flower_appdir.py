@@ -271,3 +271,36 @@ def test_capture_takes_the_strategys_own_round1_content_and_survives_except_exce
     assert torch.equal(torch.from_numpy(got.arrays["w"].numpy()), state["w"]) and got.train is not None
     assert dict(round_content(got.train, ArrayRecord(), 2)["cfg"]) == {"lr": 0.7}
     assert list(round_content(got.train, ArrayRecord({"w": torch.zeros(3)}), 2)) == ["model", "cfg"]
+
+
+def _legacy_client_fn(context: Any) -> Any:  # never called: the app is refused before any peer starts
+    raise AssertionError
+
+
+def _legacy_server_fn(context: Any) -> Any:
+    raise AssertionError
+
+
+def _apps() -> tuple[Any, Any]:
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    return ClientApp(client_fn=_legacy_client_fn), ServerApp(server_fn=_legacy_server_fn)
+
+
+LEGACY_CLIENT, LEGACY_SERVER = _apps()
+
+
+def test_legacy_apps_are_refused_in_one_line_before_anything_starts(tmp_path: Path) -> None:
+    from p2pfl.flower.clientapp import AppSpec, app_start
+
+    with pytest.raises(BadInput, match=r"^app: a ClientApp built from client_fn .* not supported yet"):
+        app_start(AppSpec(app="tests.test_flower_appdir:LEGACY_CLIENT", init="flower_bn_app.task:Net"), 0, 3)
+    importable_spec = AppSpec.from_raw({"app": str(APP)})  # puts the app's folder on sys.path
+    legacy_server = AppSpec(app=importable_spec.app, init="", server="tests.test_flower_appdir:LEGACY_SERVER",
+                            root=importable_spec.root, source=importable_spec.source)
+    with pytest.raises(BadInput, match=r"pyproject.toml: tool.flwr.app.components.serverapp: a ServerApp built "
+                                       r"from server_fn .* name it with app_init"):
+        app_start(legacy_server, 0, 3)
+    start = app_start(AppSpec(**{**legacy_server.__dict__, "init": "flower_bn_app.task:Net"}), 0, 3)
+    assert dict(start.train["config"]) == {"server-round": 1}  # no ServerApp round to read: the default

@@ -41,6 +41,7 @@ from flwr.serverapp import ServerApp
 from torch import nn
 
 from p2pfl.algorithms.base import Algorithm, PeerState, TrainContext
+from p2pfl.badinput import shorten
 from p2pfl.flower.appdir import AppError, importable, is_object_ref, load_object, read_app_dir, run_config
 from p2pfl.flower.appstate import AppLayout, app_layout, as_state
 from p2pfl.flower.records import (
@@ -146,23 +147,32 @@ def app_start(spec: AppSpec, seed: int, num_peers: int) -> AppStart:
     ``torch.manual_seed(seed)``), else the ServerApp's ``initial_arrays``; the train config from
     the ServerApp's round-1 train message with ``app_train_config`` on top.
     """
-    load_client_app(spec.app, source=spec.source, key=spec.key("clientapp"))  # refuse a wrong app before anything
+    client = load_client_app(spec.app, source=spec.source, key=spec.key("clientapp"))  # refused before anything
+    if getattr(client, "_call", None) is not None:  # ClientApp(client_fn=...): Flower's legacy message layout
+        raise AppError("a ClientApp built from client_fn (NumPyClient / Client, Flower's legacy API) is not "
+                       "supported yet: register @app.train() and @app.evaluate() handlers (Message API)",
+                       source=spec.source, key=spec.key("clientapp"))
     captured = None
-    if spec.server:
+    server = load_server_app(spec.server, source=spec.source, key=spec.key("serverapp")) if spec.server else None
+    if server is not None and getattr(server, "_main", None) is None and not spec.init:
+        # ServerApp(server_fn=...) runs Flower's legacy server loop, which waits for real nodes.
+        raise AppError("a ServerApp built from server_fn (Flower's legacy API) cannot give the initial model "
+                       "here: name it with app_init, or use @app.main() and a strategy's start()",
+                       source=spec.source, key=spec.key("serverapp"))
+    if server is not None and getattr(server, "_main", None) is not None:
         from p2pfl.flower.capture import capture_server_start
 
         key = spec.key("serverapp")
-        server = load_server_app(spec.server, source=spec.source, key=key)
         try:
             captured = capture_server_start(server, dict(spec.config), run_id=seed, seed=seed, num_nodes=num_peers)
         except Exception as exc:  # noqa: BLE001 - the app's own code failed: one line naming it
-            raise AppError(f"the ServerApp failed before its first round: {type(exc).__name__}: {exc}",
+            raise AppError(f"the ServerApp failed before its first round: {type(exc).__name__}: {shorten(str(exc), 300)}",
                            source=spec.source, key=key) from None
     if spec.init:
         state = initial_state(spec, seed)
     elif captured is not None and captured.arrays is not None:
         state = as_state(captured.arrays, "the ServerApp's initial arrays")
-    elif spec.server:
+    elif captured is not None:
         raise AppError("the ServerApp sent no initial model before its first round; name one with app_init",
                        source=spec.source, key=spec.key("serverapp"))
     else:
