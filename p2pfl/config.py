@@ -163,9 +163,12 @@ class ConfigFile(Section):
 
 
 class SharingConfig(Section):
-    """What of a ClientApp's state never leaves the peer (everything else is gossiped)."""
+    """What of a ClientApp's state never leaves the peer (everything else is gossiped; p2pfl/flower/appstate.py)."""
 
     personal: list[str] = Field(default_factory=list)  # state-dict key prefixes
+    # BatchNorm-style running statistics: averaged like any shared float (as Flower's FedAvg does) or
+    # kept by each peer (FedBN's choice). Integer buffers (num_batches_tracked) are never mixed.
+    running_stats: Literal["shared", "personal"] = "shared"
 
 
 class AppConfigFile(ConfigFile):
@@ -175,9 +178,12 @@ class AppConfigFile(ConfigFile):
     and ``data`` is optional (unused by p2pfl); see ``p2pfl.flower.clientapp``.
     """
 
-    app: str  # "package.module:attr" of a flwr.clientapp.ClientApp
-    app_init: str  # "package.module:attr": the initial model (nn.Module factory, state dict or ArrayRecord)
+    app: str  # "package.module:attr" of a flwr.clientapp.ClientApp, or a Flower App directory
+    # "package.module:attr": the initial model (nn.Module factory, state dict or ArrayRecord); for a
+    # Flower App directory it overrides the model its ServerApp starts from.
+    app_init: str | None = None
     app_config: dict[str, Any] = Field(default_factory=dict)  # given to the app as context.run_config
+    app_train_config: dict[str, Any] = Field(default_factory=dict)  # set in every train message's config
     sharing: SharingConfig = Field(default_factory=SharingConfig)
     data: DataConfig | None = None  # type: ignore[assignment]
     model: None = None  # type: ignore[assignment]
@@ -363,11 +369,8 @@ def _parse_app_config(data: dict[str, Any], base: Path | None, check_files: bool
         parsed = AppConfigFile.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc, AppConfigFile) from None
-    for key in ("app", "app_init"):
-        module, sep, attr = getattr(parsed, key).partition(":")
-        if not (module and sep and attr):
-            raise ConfigError(f"{shorten(getattr(parsed, key))!r} is not 'package.module:attr'", key=key)
     raw = copy.deepcopy(data)
+    _check_app_keys(parsed, raw, base, check_files)
     raw["topology"] = resolve_path(parsed.topology, base)
     if check_files:
         _check_topology(raw["topology"])
@@ -382,6 +385,31 @@ def _parse_app_config(data: dict[str, Any], base: Path | None, check_files: bool
         mixing=parsed.mixing, faults=parsed.faults, wire=parsed.wire, tf32=parsed.tf32,
         eval_pre_gossip=parsed.eval_pre_gossip,
     )
+
+
+def _check_app_keys(parsed: AppConfigFile, raw: dict[str, Any], base: Path | None, check_files: bool) -> None:
+    """``app`` (an object or a Flower App directory, resolved like ``topology``) and ``app_init``;
+    with ``check_files``, the directory's pyproject and the ``app_config`` keys it declares
+    (p2pfl/appdir.py). Importing the app is left to the experiment (before any peer starts)."""
+    from p2pfl.appdir import is_object_ref
+
+    for key in ("app", "app_init"):
+        ref = getattr(parsed, key)
+        if ref is None or (key == "app" and not is_object_ref(ref)):
+            continue
+        module, sep, attr = ref.partition(":")
+        if not (module and sep and attr):
+            raise ConfigError(f"{shorten(ref)!r} is not 'package.module:attr'", key=key)
+    if is_object_ref(parsed.app):
+        if not parsed.app_init:
+            raise ConfigError("missing: name the initial model ('package.module:Net'), or name a Flower App "
+                              "directory as app (its ServerApp gives the model)", key="app_init")
+        return
+    raw["app"] = resolve_path(parsed.app, base)
+    if check_files:
+        from p2pfl.appdir import read_app_dir, run_config
+
+        run_config(read_app_dir(raw["app"]), parsed.app_config)
 
 
 def _check_robust_and_wire(parsed: ConfigFile, algo: dict[str, Any], topology_path: str, check_files: bool) -> None:

@@ -30,7 +30,8 @@ from p2pfl.wire.compress import WireFormat
 from p2pfl.wire.pipeline import PayloadPipeline
 
 if TYPE_CHECKING:
-    from p2pfl.flower.clientapp import AppSpec
+    from p2pfl.flower.appstate import AppLayout
+    from p2pfl.flower.clientapp import AppSpec, AppStart
 
 
 def resolve_device(name: str) -> torch.device:
@@ -123,12 +124,24 @@ class Experiment:
         return layout, layout.flatten(model)
 
     @cached_property
-    def _app_init(self) -> tuple[ParamLayout, torch.Tensor, dict[str, torch.dtype]]:
-        from p2pfl.flower.clientapp import app_layout, initial_state, load_client_app
+    def _app(self) -> tuple[AppLayout, torch.Tensor, AppStart]:
+        """A ClientApp run's state layout, initial flat buffer and message contents (``clientapp.app_start``).
 
-        assert self.app_spec is not None
-        load_client_app(self.app_spec.app)  # refuse a wrong ``app`` here, before any peer starts
-        return app_layout(initial_state(self.app_spec, self.cfg.seed), self.app_spec.personal)
+        Built once per process, before any peer starts: a wrong app is refused here.
+        """
+        from p2pfl.flower.clientapp import app_layout, app_start
+
+        spec = self.app_spec
+        assert spec is not None
+        start = app_start(spec, self.cfg.seed, len(self.topology.ids))
+        state, flat = app_layout(start.state, spec.personal, spec.running_stats)  # type: ignore[arg-type]
+        return state, flat, start
+
+    @property
+    def _app_init(self) -> tuple[ParamLayout, torch.Tensor, dict[str, torch.dtype]]:
+        """(layout, initial flat buffer, every state entry's dtype) of a ClientApp run."""
+        state, flat, _ = self._app
+        return state.layout, flat, state.dtypes
 
     @property
     def layout(self) -> ParamLayout:
@@ -138,7 +151,8 @@ class Experiment:
         if self.app_spec is not None:
             from p2pfl.flower.clientapp import ClientAppAlgorithm
 
-            algo: Algorithm = ClientAppAlgorithm(self.app_spec, self.layout, self._app_init[2], run_id=self.cfg.seed)
+            state, _, start = self._app
+            algo: Algorithm = ClientAppAlgorithm(self.app_spec, state, start, run_id=self.cfg.seed)
         elif self.cfg.choice is not None:
             algo = self.cfg.choice.build(self.layout)
         else:  # a config assembled by hand rather than by load_config

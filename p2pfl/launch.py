@@ -25,6 +25,8 @@ def launch(config: Path, cfg: ExperimentConfig, out_dir: Path, sets: list[str], 
 
     exp = Experiment.from_config(cfg)
     topo = exp.topology
+    if exp.app_spec is not None:
+        exp.layout  # noqa: B018 - a broken ClientApp is refused here, before the run folder and the peers
     run = RunFolder.start(out_dir, cfg, topo, exp.partition, "launch")
     if not topo.has_addresses:
         # A graph-only topology and no address book: place the peers on loopback ports free now, in an

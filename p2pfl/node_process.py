@@ -117,6 +117,3 @@ def node_main(cfg: ExperimentConfig, peer_id: str, out_dir: Path, certs: Path | 
     run_node(cfg, peer_id, out_dir, certs=certs, insecure=insecure, stop=stop, threads=threads,
              metrics_port=metrics_port, metrics_host=metrics_host)
     return 0
-
-
-# -- launch ----------------------------------------------------------------------------------------

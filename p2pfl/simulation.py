@@ -70,8 +70,8 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
     topo = exp.topology
     ids = list(topo.ids)
     start = prepare_resume(run_dir, ids, before=cfg.rounds) if resume else 0
+    exp.layout  # noqa: B018 - build the initial model before forking (and refuse a broken app before writing)
     run = RunFolder.start(run_dir, cfg, topo, exp.partition, "simulate", append=start > 0)
-    exp.layout  # noqa: B018 - build the initial model before forking
     workers = max(1, min(cfg.workers, len(ids)))
     if exp.device.type == "cuda":
         workers = 1  # CUDA does not survive fork; one process drives the GPU

@@ -21,10 +21,12 @@ import torch
 import yaml
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from p2pfl.badinput import BadInput
 from p2pfl.checkpoint import load_checkpoint
 from p2pfl.config import ConfigError, load_config
 from p2pfl.experiment import Experiment
-from p2pfl.flower.clientapp import AppError, AppSpec, app_layout, initial_state, load_client_app
+from p2pfl.flower.appstate import app_layout
+from p2pfl.flower.clientapp import AppError, AppSpec, initial_state, load_client_app
 from p2pfl.flower.records import state_to_tensors, tensors_to_state
 from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
@@ -174,12 +176,12 @@ def test_bad_app_configs_are_refused_with_the_key(tmp_path: Path) -> None:
     with pytest.raises(AppError, match="cannot import module"):
         load_client_app("peers.no_such_module:app")
     state = initial_state(AppSpec(app="peers.quickstart:app", init="peers.quickstart:Net"), seed=0)
-    with pytest.raises(AppError, match="sharing.personal: prefix 'head.' matches no key"):
+    with pytest.raises(BadInput, match="sharing.personal: prefix 'head.' matches no key"):
         app_layout(state, ["head."])
-    with pytest.raises(AppError, match="every tensor is personal"):
+    with pytest.raises(BadInput, match="every floating-point tensor is personal"):
         app_layout(state, ["conv", "fc"])
-    with pytest.raises(AppError, match="dtype torch.int64"):
-        app_layout({"w": torch.zeros(2), "n": torch.zeros((), dtype=torch.int64)}, [])
+    with pytest.raises(BadInput, match="complex tensors are not supported"):
+        app_layout({"w": torch.zeros(2), "c": torch.zeros(2, dtype=torch.complex64)}, [])
     with pytest.raises(ConfigError, match="app_init"):
         load_config(app_config(tmp_path, app_init="peers.quickstart"))
     with pytest.raises(ConfigError, match="model"):

@@ -7,9 +7,15 @@ A config names the app instead of a built-in algorithm::
     app_config: {lr: 0.05, local-epochs: 1}   # -> context.run_config
     sharing: {personal: [fc3.]}          # state-dict key prefixes that never leave the peer
 
+or names a Flower App directory (``app: path/to/app``, see ``p2pfl.appdir``): the
+ClientApp and ServerApp from its pyproject, the initial model and train config from what its
+ServerApp would send in round 1 (``p2pfl.flower.capture``); ``app_init`` and
+``app_train_config`` stay explicit overrides.
+
 Each round the Node calls ``ClientAppAlgorithm.local_update``, which sends the app a train
 ``Message`` holding ``"arrays"`` (the full state: the mixed shared part plus the peer's own
-personal part) and ``"config"`` (``server-round``), and copies the returned arrays back. The
+personal and held parts, ``p2pfl.flower.appstate``) and ``"config"`` (``server-round`` and the
+run's train config), and copies the returned arrays back. The
 Node then gossips the shared keys with the topology's weights (the Algorithm's default pull
 mixing) and evaluates through ``ClientAppEvaluator``, which sends an evaluate ``Message``.
 
@@ -24,25 +30,28 @@ pickle) and restored with the peer.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.serverapp import ServerApp
 from torch import nn
 
 from p2pfl.algorithms.base import Algorithm, PeerState, TrainContext
+from p2pfl.badinput import shorten
+from p2pfl.appdir import AppError, importable, is_object_ref, load_object, read_app_dir, run_config
+from p2pfl.flower.appstate import AppLayout, app_layout, as_state
 from p2pfl.flower.records import (
     ARRAYS_KEY,
     CONFIG_KEY,
-    array_record,
+    SERVER_ROUND,
     instruction,
     is_state_tensor,
-    load_arrays,
     message_metrics,
+    round_content,
     state_to_tensors,
     tensors_to_state,
     train_columns,
@@ -50,51 +59,141 @@ from p2pfl.flower.records import (
 )
 from p2pfl.models.layout import ParamLayout
 
+__all__ = ["AppError", "AppLayout", "AppSpec", "ClientAppAlgorithm", "app_layout", "load_client_app"]
+
 NAME = "clientapp"  # the algorithm name a ClientApp run records
 PEER_NODE_ID = 0  # src of the messages a peer hands its own app (there is no server)
 
 
-class AppError(ValueError):
-    """A ClientApp config or a ClientApp reply is unusable; the message names the key or the tensor."""
+class AppReplyError(ValueError):
+    """A ClientApp's reply is unusable (a failure of the run, not of its input); the message names the peer."""
 
 
 @dataclass(frozen=True)
 class AppSpec:
-    """The ``app``/``app_init``/``app_config``/``sharing`` keys of a config."""
+    """The ``app``/``app_init``/``app_config``/``app_train_config``/``sharing`` keys of a config, resolved.
+
+    ``app``/``server``: the ClientApp and ServerApp (``package.module:attr``; ``server`` is "" when
+    there is none); ``config``: the run config the apps see; ``root``: the Flower App directory
+    (``""`` when ``app:`` named an object); ``source``: the file that names the components (for errors).
+    """
 
     app: str
     init: str
     config: Mapping[str, Any] = field(default_factory=dict)
     personal: tuple[str, ...] = ()
+    running_stats: str = "shared"
+    server: str = ""
+    train_config: Mapping[str, Any] = field(default_factory=dict)
+    root: str = ""
+    source: str | None = None
 
     @classmethod
     def from_raw(cls, raw: Mapping[str, Any]) -> AppSpec:
+        """The spec of a validated config; a Flower App directory is read and made importable here."""
         sharing = raw.get("sharing") or {}
-        return cls(app=str(raw["app"]), init=str(raw.get("app_init") or ""), config=dict(raw.get("app_config") or {}),
-                   personal=tuple(str(p) for p in sharing.get("personal") or ()))
+        common = {"init": str(raw.get("app_init") or ""), "personal": tuple(str(p) for p in sharing.get("personal") or ()),
+                  "running_stats": str(sharing.get("running_stats") or "shared"),
+                  "train_config": dict(raw.get("app_train_config") or {})}
+        ref = str(raw["app"])
+        if is_object_ref(ref):
+            return cls(app=ref, config=dict(raw.get("app_config") or {}), **common)
+        found = read_app_dir(ref)
+        importable(found)
+        return cls(app=found.clientapp, server=found.serverapp, config=run_config(found, raw.get("app_config") or {}),
+                   root=str(found.root), source=found.pyproject, **common)
+
+    def key(self, name: str) -> str:
+        """The key that names a component: the pyproject's for a Flower App directory, else the config's."""
+        return f"tool.flwr.app.components.{name}" if self.root else {"clientapp": "app", "serverapp": "app"}[name]
 
 
-def load_object(ref: str, key: str) -> Any:
-    """``"package.module:attr"`` -> the object; a clear error naming the config key otherwise."""
-    module, sep, attr = ref.partition(":")
-    if not sep or not module or not attr:
-        raise AppError(f"{key}: {ref!r} is not 'package.module:attr'")
-    try:
-        obj: Any = importlib.import_module(module)
-    except ImportError as exc:
-        raise AppError(f"{key}: cannot import module {module!r} ({exc})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise AppError(f"{key}: module {module!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
-def load_client_app(ref: str) -> ClientApp:
-    app = load_object(ref, "app")
+def load_client_app(ref: str, *, source: str | None = None, key: str = "app") -> ClientApp:
+    app = load_object(ref, key, source=source)
     if not isinstance(app, ClientApp):
-        raise AppError(f"app: {ref!r} is a {type(app).__name__}, not a flwr.clientapp.ClientApp")
+        raise AppError(f"{ref!r} is a {type(app).__name__}, not a flwr.clientapp.ClientApp", source=source, key=key)
     return app
+
+
+def load_server_app(ref: str, *, source: str | None = None, key: str = "serverapp") -> ServerApp:
+    app = load_object(ref, key, source=source)
+    if not isinstance(app, ServerApp):
+        raise AppError(f"{ref!r} is a {type(app).__name__}, not a flwr.serverapp.ServerApp", source=source, key=key)
+    return app
+
+
+@dataclass(frozen=True)
+class AppStart:
+    """What every peer starts from: the initial state and the contents of its train / evaluate messages.
+
+    ``train``/``evaluate`` are content templates (``records.round_content`` puts a round's arrays and
+    ``server-round`` in): what the app's ServerApp sends in round 1 when it has one, else an
+    ``"arrays"`` record and a ``"config"`` record holding only ``server-round`` (as before).
+    """
+
+    state: dict[str, torch.Tensor]
+    train: RecordDict
+    evaluate: RecordDict
+
+
+def _default_content() -> RecordDict:
+    return RecordDict({ARRAYS_KEY: ArrayRecord(), CONFIG_KEY: ConfigRecord({SERVER_ROUND: 1})})
+
+
+def app_start(spec: AppSpec, seed: int, num_peers: int) -> AppStart:
+    """The initial state and message contents of a run (every peer gets the same; see ``AppStart``).
+
+    Where each comes from, first found wins: the initial model from ``app_init`` (called under
+    ``torch.manual_seed(seed)``), else the ServerApp's ``initial_arrays``; the train config from
+    the ServerApp's round-1 train message with ``app_train_config`` on top.
+    """
+    client = load_client_app(spec.app, source=spec.source, key=spec.key("clientapp"))  # refused before anything
+    if getattr(client, "_call", None) is not None:  # ClientApp(client_fn=...): Flower's legacy message layout
+        raise AppError("a ClientApp built from client_fn (NumPyClient / Client, Flower's legacy API) is not "
+                       "supported yet: register @app.train() and @app.evaluate() handlers (Message API)",
+                       source=spec.source, key=spec.key("clientapp"))
+    captured = None
+    server = load_server_app(spec.server, source=spec.source, key=spec.key("serverapp")) if spec.server else None
+    if server is not None and getattr(server, "_main", None) is None and not spec.init:
+        # ServerApp(server_fn=...) runs Flower's legacy server loop, which waits for real nodes.
+        raise AppError("a ServerApp built from server_fn (Flower's legacy API) cannot give the initial model "
+                       "here: name it with app_init, or use @app.main() and a strategy's start()",
+                       source=spec.source, key=spec.key("serverapp"))
+    if server is not None and getattr(server, "_main", None) is not None:
+        from p2pfl.flower.capture import capture_server_start
+
+        key = spec.key("serverapp")
+        try:
+            captured = capture_server_start(server, dict(spec.config), run_id=seed, seed=seed, num_nodes=num_peers)
+        except Exception as exc:  # noqa: BLE001 - the app's own code failed: one line naming it
+            raise AppError(f"the ServerApp failed before its first round: {type(exc).__name__}: {shorten(str(exc), 300)}",
+                           source=spec.source, key=key) from None
+    if spec.init:
+        state = initial_state(spec, seed)
+    elif captured is not None and captured.arrays is not None:
+        state = as_state(captured.arrays, "the ServerApp's initial arrays")
+    elif captured is not None:
+        raise AppError("the ServerApp sent no initial model before its first round; name one with app_init",
+                       source=spec.source, key=spec.key("serverapp"))
+    else:
+        raise AppError("missing: name the initial model, e.g. 'mypackage.task:Net'", key="app_init")
+    train = captured.train if captured is not None and captured.train is not None else _default_content()
+    evaluate = captured.evaluate if captured is not None and captured.evaluate is not None else _default_content()
+    if spec.train_config:
+        train = _with_config(train, spec.train_config)
+    return AppStart(state, train, evaluate)
+
+
+def _with_config(content: RecordDict, values: Mapping[str, Any]) -> RecordDict:
+    """``content`` with ``values`` set in its config record (``app_train_config``: explicit overrides)."""
+    out = RecordDict()
+    configs = [k for k, v in content.items() if isinstance(v, ConfigRecord)]
+    target = CONFIG_KEY if CONFIG_KEY in configs or not configs else configs[0]
+    for k, v in content.items():
+        out[k] = ConfigRecord({**dict(v), **values}) if k == target else v
+    if target not in out:
+        out[target] = ConfigRecord({**dict(values), SERVER_ROUND: 1})
+    return out
 
 
 def initial_state(spec: AppSpec, seed: int) -> dict[str, torch.Tensor]:
@@ -104,50 +203,14 @@ def initial_state(spec: AppSpec, seed: int) -> dict[str, torch.Tensor]:
     callable returning a state dict or an ``ArrayRecord``.
     """
     if not spec.init:
-        raise AppError("app_init: missing: name the initial model, e.g. 'mypackage.task:Net'")
+        raise AppError("missing: name the initial model, e.g. 'mypackage.task:Net'", key="app_init")
     make = load_object(spec.init, "app_init")
     if not callable(make):
-        raise AppError(f"app_init: {spec.init!r} is not callable")
+        raise AppError(f"{spec.init!r} is not callable", key="app_init")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         made = make()
-    if isinstance(made, nn.Module):
-        state = made.state_dict()
-    elif isinstance(made, ArrayRecord):
-        state = made.to_torch_state_dict()
-    elif isinstance(made, Mapping):
-        state = dict(made)
-    else:
-        raise AppError(f"app_init: {spec.init!r} returned a {type(made).__name__}, "
-                       "not an nn.Module, a state dict or an ArrayRecord")
-    return {k: torch.as_tensor(v).detach().clone() for k, v in state.items()}
-
-
-def app_layout(state: Mapping[str, torch.Tensor], personal: Sequence[str]) -> tuple[ParamLayout, torch.Tensor,
-                                                                                      dict[str, torch.dtype]]:
-    """The flat ``[shared | personal]`` layout of a state dict: shared keys first, each part in state order.
-
-    A key is personal when it starts with one of the ``sharing.personal`` prefixes. Returns the
-    layout, the flat float32 buffer and each tensor's own dtype (restored when the app gets it).
-    """
-    for p in personal:
-        if not any(k.startswith(p) for k in state):
-            raise AppError(f"sharing.personal: prefix {p!r} matches no key of the app's state "
-                           f"({', '.join(list(state)[:8])}{', ...' if len(state) > 8 else ''})")
-    dtypes: dict[str, torch.dtype] = {}
-    for k, v in state.items():
-        if not v.is_floating_point():
-            raise AppError(f"app_init: state tensor {k!r} has dtype {v.dtype}: only floating-point "
-                           "tensors can be gossiped or mixed")
-        dtypes[k] = v.dtype
-    is_personal = {k: any(k.startswith(p) for p in personal) for k in state}
-    shared = [k for k in state if not is_personal[k]]
-    own = [k for k in state if is_personal[k]]
-    if not shared:
-        raise AppError("sharing.personal: every tensor is personal; nothing would be gossiped")
-    layout = ParamLayout.from_shapes({k: tuple(v.shape) for k, v in state.items()}, shared, own)
-    flat = torch.cat([state[s.name].reshape(-1).to(torch.float32) for s in layout.specs])
-    return layout, flat, dtypes
+    return as_state(made, repr(spec.init))
 
 
 def carrier_module(layout: ParamLayout) -> nn.Module:
@@ -181,10 +244,11 @@ class ClientAppAlgorithm(Algorithm):
     shares = "shared"
     defaults: ClassVar[dict[str, Any]] = {}
 
-    def __init__(self, spec: AppSpec, layout: ParamLayout, dtypes: Mapping[str, torch.dtype], *, run_id: int) -> None:
-        super().__init__({}, layout)
+    def __init__(self, spec: AppSpec, state: AppLayout, start: AppStart, *, run_id: int) -> None:
+        super().__init__({}, state.layout)
         self.spec = spec
-        self.dtypes = dict(dtypes)
+        self.state_layout = state
+        self.start = start
         self.run_id = run_id
         self.app: ClientApp | None = None
         self.context: Context | None = None
@@ -192,9 +256,13 @@ class ClientAppAlgorithm(Algorithm):
         self._state: PeerState | None = None  # the PeerState whose extra mirrors context.state
         self._round = 0
 
+    @property
+    def dtypes(self) -> dict[str, torch.dtype]:
+        return self.state_layout.dtypes
+
     def bind_peer(self, peer_id: str, index: int, num_peers: int) -> None:
         """Load the app and give the peer its Context (node_config: partition-id, num-partitions, peer-id)."""
-        self.app = load_client_app(self.spec.app)
+        self.app = load_client_app(self.spec.app, source=self.spec.source, key=self.spec.key("clientapp"))
         self.peer_id = peer_id
         self.context = Context(run_id=self.run_id, node_id=index + 1,
                                node_config={"partition-id": index, "num-partitions": num_peers, "peer-id": peer_id},
@@ -202,6 +270,7 @@ class ClientAppAlgorithm(Algorithm):
 
     # -- Context.state <-> PeerState.extra ------------------------------------------------------
     def init_state(self, state: PeerState, generator: torch.Generator) -> None:
+        self.state_layout.init_extra(state.extra)
         self._save(state)
 
     def _sync(self, state: PeerState) -> None:
@@ -221,37 +290,47 @@ class ClientAppAlgorithm(Algorithm):
 
     # -- messages ----------------------------------------------------------------------------
     def call(self, message_type: str, arrays: ArrayRecord, round: int) -> Message:
-        """Hand the app one message (``server-round`` counts from 1, as Flower's strategies do)."""
+        """Hand the app one message: the run's train / evaluate content with this round's arrays.
+
+        ``server-round`` counts from 1, as Flower's strategies do.
+        """
         assert self.app is not None and self.context is not None, "bind_peer first"
-        content = RecordDict({ARRAYS_KEY: arrays, CONFIG_KEY: ConfigRecord({"server-round": round + 1})})
+        template = self.start.train if message_type == MessageType.TRAIN else self.start.evaluate
+        content = round_content(template, arrays, round + 1)
         msg = instruction(content, message_type, run_id=self.run_id, src_node_id=PEER_NODE_ID,
                           dst_node_id=self.context.node_id, message_id=f"{self.peer_id}/{round}/{message_type}",
                           group_id=str(round + 1))
         reply = self.app(msg, self.context)
         if not isinstance(reply, Message):
-            raise AppError(f"peer {self.peer_id}: the app's {message_type} handler returned "
-                           f"{type(reply).__name__}, not a Message")
+            raise AppReplyError(f"peer {self.peer_id}: the app's {message_type} handler returned "
+                                f"{type(reply).__name__}, not a Message")
         if reply.has_error():
-            raise AppError(f"peer {self.peer_id}: the app's {message_type} reply is an error: {reply.error.reason}")
+            raise AppReplyError(f"peer {self.peer_id}: the app's {message_type} reply is an error: "
+                                f"{reply.error.reason}")
         return reply
 
-    def arrays_of(self, flat: torch.Tensor) -> ArrayRecord:
-        return array_record(self.layout.views(flat), self.dtypes)
+    def arrays_of(self, flat: torch.Tensor, extra: Mapping[str, torch.Tensor]) -> ArrayRecord:
+        """The whole state an app gets: the mixed entries (views of ``flat``) and the held ones (``extra``)."""
+        return self.state_layout.record(self.layout.views(flat), extra)
 
     def local_update(self, state: PeerState, ctx: TrainContext, round: int) -> dict[str, float]:
         self._sync(state)
         self._round = round
-        reply = self.call(MessageType.TRAIN, self.arrays_of(state.params), round)
+        reply = self.call(MessageType.TRAIN, self.arrays_of(state.params, state.extra), round)
         recs = list(reply.content.array_records.values())
         if len(recs) != 1:
-            raise AppError(f"peer {self.peer_id}: a train reply must hold one ArrayRecord, it holds {len(recs)}")
-        load_arrays(self.layout.specs, recs[0], state.params, f"peer {self.peer_id}: train reply")
+            raise AppReplyError(f"peer {self.peer_id}: a train reply must hold one ArrayRecord, it holds {len(recs)}")
+        try:
+            self.state_layout.load(recs[0], state.params, state.extra, f"peer {self.peer_id}: train reply")
+        except ValueError as exc:
+            raise AppReplyError(str(exc)) from None
         self._save(state)
         return train_columns(message_metrics(reply))
 
     def evaluate(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """Send the app an evaluate Message; its metrics, plus ``acc``/``loss`` for the run folder's columns."""
-        reply = self.call(MessageType.EVALUATE, array_record(tensors, self.dtypes), self._round)
+        extra = self._state.extra if self._state is not None else {}
+        reply = self.call(MessageType.EVALUATE, self.state_layout.record(tensors, extra), self._round)
         if self._state is not None:
             self._save(self._state)
         return with_acc_loss(message_metrics(reply))  # type: ignore[return-value]

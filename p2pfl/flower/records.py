@@ -28,6 +28,7 @@ from p2pfl.models.layout import TensorSpec
 
 ARRAYS_KEY = "arrays"  # what Flower's strategies send and quickstart apps read
 CONFIG_KEY = "config"
+SERVER_ROUND = "server-round"  # the round number Flower's strategies put in every config they send
 METRICS_KEY = "metrics"
 # Where a reply's metrics fill the run folder's ``acc``/``loss`` columns (first match wins).
 ACC_NAMES = ("acc", "accuracy", "eval_acc", "eval_accuracy", "eval-acc", "eval-accuracy")
@@ -126,6 +127,32 @@ def load_arrays(specs: Sequence[TensorSpec], record: ArrayRecord, flat: torch.Te
     for offset, numel, value in decoded:
         src = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32).reshape(-1))
         flat[offset : offset + numel].copy_(src)
+
+
+def round_content(template: RecordDict, arrays: ArrayRecord, server_round: int) -> RecordDict:
+    """A message content for one round: ``template``'s records, its ArrayRecord replaced by ``arrays``
+    and ``server-round`` set in each ConfigRecord that has it (records copied: the template is reused).
+
+    ``template`` is what a Flower strategy sent in round 1 (its own record keys), so an app reads
+    this round's content where and as it would under that strategy.
+    """
+    out = RecordDict()
+    placed = False
+    for key, rec in template.items():
+        if isinstance(rec, ArrayRecord) and not placed:
+            out[key], placed = arrays, True
+        elif isinstance(rec, ConfigRecord):
+            values = dict(rec)
+            if SERVER_ROUND in values:
+                values[SERVER_ROUND] = server_round
+            out[key] = ConfigRecord(values)
+        elif isinstance(rec, MetricRecord):
+            out[key] = MetricRecord(dict(rec))
+        else:
+            out[key] = rec
+    if not placed:
+        out[ARRAYS_KEY] = arrays
+    return out
 
 
 def record_bytes(content: RecordDict) -> int:

@@ -105,7 +105,9 @@ class ParamLayout:
         """
         specs = {"all": self.specs, "shared": self.shared_specs(), "personal": self.personal_specs()}[part]
         lead = tuple(flat.shape[:-1])
-        return {s.name: flat[..., s.offset : s.offset + s.numel].view(*lead, *s.shape) for s in specs}
+        # One shape tuple, not unpacked arguments: a 0-dim tensor (a scalar parameter or buffer) has
+        # shape (), and ``view()`` with no argument at all is a TypeError.
+        return {s.name: flat[..., s.offset : s.offset + s.numel].view((*lead, *s.shape)) for s in specs}
 
     def shared_params(self, model: nn.Module) -> list[nn.Parameter]:
         params = dict(model.named_parameters())

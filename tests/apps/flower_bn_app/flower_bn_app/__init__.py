@@ -1,0 +1,1 @@
+"""flower-bn-app: A Flower / PyTorch app."""
