@@ -47,6 +47,14 @@ class DePRL(Algorithm):
     §1.6); one phi(0) on all workers (checklist 5, done by the Experiment); the evaluated model is
     the post-gossip (phi_i(k+1), theta_i(k+1)) (§1.7 item 5: "post-gossip is natural"). Models have
     no BatchNorm buffers in this code base, so item 6 does not arise.
+
+    The authors' code mixes first, then trains (Main.py:127-142 of GYan58/AAAI24-DePRL; spec 004 §9).
+    No option is needed for that order: every peer starts from the same phi(0), so its first mix is
+    the identity (up to float rounding), and "mix, train, mix, train, ..." is this loop's "train,
+    mix, train, mix, ..." without the last mix. The model the authors' order evaluates after round k's
+    training is this loop's model before round k's gossip: ``eval_pre_gossip: true`` records it
+    (``acc_pre_gossip``). The released code never calls its evaluation (``Logging``, Main.py:45-47), so
+    when they evaluated is inferred, not read.
     """
 
     name = "deprl"
