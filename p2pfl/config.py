@@ -454,7 +454,7 @@ def _check_robust_and_wire(parsed: ConfigFile, algo: dict[str, Any], topology_pa
 
 def _check_model(model: dict[str, Any]) -> None:
     from p2pfl.models import model_names
-    from p2pfl.models.registry import model_parameters
+    from p2pfl.models.registry import model_parameters, model_value_problem
 
     name = model["name"]
     if name not in model_names():
@@ -467,6 +467,9 @@ def _check_model(model: dict[str, Any]) -> None:
             close = suggest(k, accepted)
             raise ConfigError(f"not a parameter of model {name}", key=f"model.{k}", allowed=accepted or "none",
                               hint=f"did you mean {close!r}?" if close else None)
+        problem = model_value_problem(name, k, model[k]) if k != "name" else None
+        if problem is not None:
+            raise ConfigError(problem, key=f"model.{k}")
 
 
 def _check_data(d: DataConfig, base: Path | None, check_files: bool) -> None:

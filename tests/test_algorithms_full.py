@@ -266,7 +266,9 @@ def test_presets_build_their_algorithms() -> None:
              "dfedsam-paper": "dfedsam", "dfedsam-mgs-paper": "dfedsam_mgs", "dfedsam-dfedadmm-paper": "dfedsam",
              "dfedadmm-paper": "dfedadmm", "dfedadmm-sam-paper": "dfedadmm_sam"}
     presets = {**full_sharing.PRESETS, **dfedsam.PRESETS, **dfedadmm.PRESETS}
-    assert set(presets) == set(owner)
+    # dpsgd-authors is DePRL's authors' optimizer, not these papers' protocol (tests/test_deprl_authors.py)
+    assert set(presets) == set(owner) | {"dpsgd-authors"}
+    assert build_algorithm("dpsgd", presets["dpsgd-authors"], layout).hp["grad_clip"] == 10.0
     for preset, name in owner.items():
         algo = build_algorithm(name, presets[preset], layout)
         assert algo.hp["lr"] == 0.1 and algo.hp["lr_decay"] == 0.998

@@ -79,6 +79,8 @@ CONFIG_CASES = [
     (["data.partition.alpha=.inf"], "data.partition.alpha: must be a finite number"),
     (["model.name=cnn"], "model.name: unknown model 'cnn'; allowed: alexnet"),
     (["model.width=3"], "model.width: not a parameter of model mlp; allowed: hidden"),
+    (["model.name=cnn_small", "model.head_layers=0"], "model.head_layers: must be an integer in [1, 8], got 0"),
+    (["model={name: alexnet_fmnist, head_layers: 4}"], "model.head_layers: must be an integer in [1, 3], got 4"),
     (["model=3"], "model: must be a mapping, got 3"),
     (["topology=missing.yaml"], "topology: topology file 'missing.yaml' not found"),
     (["rounds"], "--set: 'rounds' is not KEY=VALUE"),

@@ -31,7 +31,9 @@ from p2pfl.topology import generate
 from tests.conftest import records_without_times, tiny_config
 
 CASES = [(name, {}) for name in sorted(ALGORITHMS) if algorithm_class(name).batched] + [
-    ("dfedpgp", {"mix_mode": "push"}), ("dfedadmm", {"grad_clip": 0.05})]  # a clip that binds: per-peer norms
+    ("dfedpgp", {"mix_mode": "push"}), ("dfedadmm", {"grad_clip": 0.05}),  # a clip that binds: per-peer norms
+    # DePRL's authors' optimizer (clip and momentum in both phases; D-PSGD alike): the same rule per peer
+    ("deprl", {"grad_clip": 0.05, "momentum": 0.9}), ("dpsgd", {"grad_clip": 0.05, "momentum": 0.9})]
 IDS = [n + ("-push" if e.get("mix_mode") == "push" else "") + ("-clip" if e.get("grad_clip") else "") for n, e in CASES]
 LIGHT = {"local_epochs": 1, "body_local": 1}
 DATA = {"dataset": "synthetic", "partition": {"kind": "dirichlet_per_class", "pi": 0.5}, "batch_size": 16,

@@ -102,3 +102,39 @@ def test_the_body_sees_each_sample_once_per_head_phase(tmp_path: Path) -> None:
     assert seen == {False: 3 * n, True: n}
     assert torch.equal(states[False][1], states[True][1])  # the same minibatch draws
     assert torch.allclose(states[False][0], states[True][0], rtol=1e-5, atol=1e-6)
+
+
+#: A multi-layer personal head (``model.head_layers``, DePRL's public code's split, issue 69): the head phase
+#: trains the whole linear stack on cached features, in every engine, as the uncached exact path does.
+DATA16 = {**DATA, "params": {**DATA["params"], "shape": [1, 16, 16]}}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("engine", ["batched-loop", "batched-vmap"])
+def test_a_multi_layer_head_trains_alike_in_every_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         engine: str) -> None:
+    algorithm = {"name": "deprl", "lr_head": 0.05, "lr_body": 0.05, "tau": 8, "momentum": 0.9, "grad_clip": 1.0}
+    model = {"name": "cnn_small", "head_layers": 3, "hidden": 16}
+
+    def run(name: str, engine: str, cache: bool) -> dict[str, np.ndarray]:
+        monkeypatch.setattr(local_sgd, "FROZEN_BODY_CACHE", cache)
+        monkeypatch.setattr(context, "VECTORIZE", engine == "batched-vmap")
+        folder = tmp_path / name
+        folder.mkdir()
+        cfg = load_config(tiny_config(folder, peers=4, rounds=2, algorithm=algorithm, data=DATA16, model=model,
+                                      simulation={"workers": 1, "engine": engine.split("-")[0]}))
+        simulate(cfg, folder / "run", progress=False)
+        out = {}
+        for f in sorted((folder / "run" / "checkpoints").glob("*.npz")):
+            with np.load(f, allow_pickle=False) as z:
+                out[f.stem] = z["params"].astype(np.float64)
+        return out
+
+    ref = run("exact-uncached", "exact", False)
+    exp = Experiment.from_config(load_config(tmp_path / "exact-uncached" / "config.yaml"))
+    assert len(exp.layout.personal_names) == 6  # three linear layers, all personal
+    for name, eng in (("exact-cached", "exact"), (engine, engine)):
+        got = run(name, eng, True)
+        assert sorted(got) == sorted(ref) and len(ref) == 4
+        for pid in ref:
+            assert np.linalg.norm(ref[pid] - got[pid]) / np.linalg.norm(ref[pid]) <= 1e-5, (name, pid)

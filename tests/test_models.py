@@ -82,7 +82,7 @@ def built() -> dict[tuple[str, tuple[int, int, int], int], nn.Module]:
 
 
 def test_names() -> None:
-    assert model_names() == sorted(["mlp", "lenet", "cnn_small", "alexnet", "vgg11", "resnet18"])
+    assert model_names() == sorted(["mlp", "lenet", "cnn_small", "alexnet", "alexnet_fmnist", "vgg11", "resnet18"])
     with pytest.raises(ValueError, match="resnet18"):
         build_model("resnet50", (3, 32, 32), 10)
     with pytest.raises(ValueError, match="gn_groups"):
@@ -155,7 +155,7 @@ def test_vgg11_deprl_variant() -> None:
         build_model("vgg11", (3, 32, 32), 10, variant="vgg16")
 
 
-@pytest.mark.parametrize("name", ["mlp", "lenet", "cnn_small", "alexnet", "vgg11", "resnet18"])
+@pytest.mark.parametrize("name", ["mlp", "lenet", "cnn_small", "alexnet", "alexnet_fmnist", "vgg11", "resnet18"])
 def test_reproducible_init(name: str) -> None:
     shape = (1, 28, 28)
     torch.manual_seed(7)
@@ -166,7 +166,8 @@ def test_reproducible_init(name: str) -> None:
     c = build_model(name, shape, 10)
     pa, pb, pc = (dict(m.named_parameters()) for m in (a, b, c))
     assert all(torch.equal(pa[n], pb[n]) for n in pa)
-    assert not torch.equal(pa[head_prefix(a) + ".weight"], pc[head_prefix(c) + ".weight"])
+    head = split_parameter_names(a)[1][0]  # the head's first weight (a linear stack's too)
+    assert not torch.equal(pa[head], pc[head])
 
 
 def test_head_must_be_linear() -> None:
@@ -184,6 +185,79 @@ def test_head_must_be_linear() -> None:
         split_parameter_names(Bad())
     with pytest.raises(ValueError, match="HEAD"):
         head_prefix(NoHead())
+
+
+def alex_fmnist_body(cin: int) -> int:
+    """The authors' ``alex_fmnist`` convolutions (GYan58/AAAI24-DePRL, Models/Alex.py:9-21)."""
+    return conv(cin, 64, 11) + conv(64, 192, 5) + conv(192, 384, 3) + conv(384, 256, 3) + conv(256, 256, 3)
+
+
+def test_alexnet_fmnist_is_the_authors_model_with_its_classifier_personal() -> None:
+    model = build_model("alexnet_fmnist", (1, 28, 28), 10)  # zero-padded to 32x32: 256 features
+    params = dict(model.named_parameters())
+    classifier = lin(256, 128) + lin(128, 128) + lin(128, 10)
+    assert (alex_fmnist_body(1), classifier) == (2_454_208, 50_698)
+    assert sum(p.numel() for p in params.values()) == 2_504_906 == alex_fmnist_body(1) + classifier  # "~2.5 M"
+    shared, personal = split_parameter_names(model)
+    assert head_prefix(model) == "classifier"
+    assert personal == [f"classifier.{i}.{w}" for i in (0, 2, 4) for w in ("weight", "bias")]
+    assert sum(params[n].numel() for n in personal) == classifier and shared + personal == list(params)
+    assert [type(m).__name__ for m in model.classifier] == ["Linear", "ReLU", "Linear", "ReLU", "Linear"]
+    assert list(model.buffers()) == [] and not any(isinstance(m, nn.Dropout) for m in model.modules())
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        assert model(x).shape == (2, 10)
+        assert torch.equal(model.head()(model.represent(x)), model(x))
+    # head_layers counts the classifier's personal layers from the output; the network stays the same
+    for k, size in ((1, lin(128, 10)), (2, lin(128, 128) + lin(128, 10))):
+        torch.manual_seed(0)
+        m = build_model("alexnet_fmnist", (1, 28, 28), 10, head_layers=k)
+        mp = dict(m.named_parameters())
+        sh, pe = split_parameter_names(m)
+        assert sum(p.numel() for p in mp.values()) == 2_504_906
+        assert sum(mp[n].numel() for n in pe) == size and sh + pe == list(mp)
+    with pytest.raises(ValueError, match="head_layers"):
+        build_model("alexnet_fmnist", (1, 28, 28), 10, head_layers=0)
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_cnn_small_takes_a_multi_layer_head(layers: int) -> None:
+    model = build_model("cnn_small", (1, 28, 28), 10, head_layers=layers)
+    params = dict(model.named_parameters())
+    shared, personal = split_parameter_names(model)
+    convs = conv(1, 16, 5) + conv(16, 32, 5)
+    widths = [512] + [128] * (max(2, layers) - 1) + [10]
+    mlp = sum(lin(a, b) for a, b in zip(widths[:-1], widths[1:], strict=True))
+    assert sum(p.numel() for p in params.values()) == convs + mlp
+    assert sum(params[n].numel() for n in personal) == (lin(128, 10) if layers == 1 else mlp)
+    assert shared + personal == list(params)
+    if layers == 1:  # the network as before, names and all (existing runs and checkpoints are unchanged)
+        assert personal == ["fc2.weight", "fc2.bias"] and head_prefix(model) == "fc2"
+        assert type(model).HEAD == "fc2"
+    else:
+        assert head_prefix(model) == "classifier" and shared == ["conv1.weight", "conv1.bias", "conv2.weight",
+                                                                 "conv2.bias"]
+        assert sum(isinstance(m, nn.Linear) for m in model.classifier) == max(2, layers)
+    with torch.no_grad():
+        x = torch.randn(3, 1, 28, 28)
+        assert torch.equal(model.head()(model.represent(x)), model(x)) and model(x).shape == (3, 10)
+
+
+def test_a_head_may_be_a_stack_of_linear_layers_only() -> None:
+    class Stack(nn.Module):
+        HEAD = "head"
+
+        def __init__(self, last: nn.Module) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.head = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), last)
+
+    assert split_parameter_names(Stack(nn.Linear(4, 2)))[1] == ["head.0.weight", "head.0.bias", "head.2.weight",
+                                                                 "head.2.bias"]
+    with pytest.raises(ValueError, match="nn.Linear"):
+        split_parameter_names(Stack(nn.Conv1d(4, 2, 1)))  # a stack must end in a linear layer
+    with pytest.raises(ValueError, match="nn.Linear"):
+        split_parameter_names(Stack(nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 2))))  # and hold linear layers only
 
 
 def test_bad_shapes() -> None:

@@ -288,3 +288,52 @@ def test_a_run_folders_final_is_rounded_once_as_in_the_cell_tables() -> None:
             "curves": {"0": [[100, round(100 * e.final, 3)]]}, "finals": {"0": rmd._r(100 * e.final)}}
     assert f"{cell['curves']['0'][-1][1]:.2f}" == "87.06"  # the double rounding this guards against
     assert rmd.run_folder_rows([cell]) == [[f"`{e.path}`", "deprl-t1", "D-PSGD", "87.07", "9.0"]]
+
+
+def test_the_authors_settings_lane_plans_deprl_beside_both_dpsgd_readings(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """table1/ring-pi*-authors.yaml (issue 69): per pi, 3 cases x 3 seeds at 200 rounds on cnn_small with a 3-layer
+    personal classifier, each case at its preset's values; results_md catalogues them as their own group."""
+    from p2pfl.algorithms.full_sharing import PRESETS as BASELINES
+
+    from p2pfl.algorithms.deprl import PRESETS as DEPRL
+    from p2pfl.sweep import load_sweep, plan_cells
+
+    for pi in rmd.PIS:
+        cells = plan_cells(load_sweep(rmd.TABLE1_DIR / f"ring-pi{pi}-authors.yaml"), cores=2)
+        assert [c.name for c in cells[:3]] == ["deprl-authors__seed=0", "dpsgd-authors__seed=0", "dpsgd__seed=0"]
+        assert len(cells) == 9 and {int(c.config["seed"]) for c in cells} == {0, 1, 2}
+        for c in cells:
+            cfg = c.config
+            assert (cfg["rounds"], cfg["model"], cfg["eval_pre_gossip"]) == (200, {"name": "cnn_small",
+                                                                                    "head_layers": 3}, True)
+            assert cfg["data"]["partition"]["pi"] == pi and cfg["topology"].endswith("ring-128.yaml")
+            preset = {"deprl-authors": DEPRL["deprl-authors"], "dpsgd-authors": BASELINES["dpsgd-authors"],
+                      "dpsgd": BASELINES["dpsgd-paper"]}[str(c.case)]
+            assert {k: cfg["algorithm"][k] for k in preset} == preset
+    monkeypatch.setattr(rmd, "EVIDENCE", tmp_path)  # nothing finished
+    group = [s for s in rmd.SWEEPS if s.table == "deprl-t1-authors"]
+    assert [(s.graph, s.pi, s.model) for s in group] == [("ring", pi, "cnn_small") for pi in rmd.PIS]
+    out = rmd.sweep_cells(group[0])
+    assert [(c["case"], c["method"], c["rounds"], c["status"]) for c in out] == [
+        ("deprl-authors", "DePRL (authors' code)", 200, rmd.NOT_RUN), ("dpsgd-authors", "D-PSGD (authors' optimizer)",
+                                                                      200, rmd.NOT_RUN), ("dpsgd", "D-PSGD", 200,
+                                                                                          rmd.NOT_RUN)]
+    assert [(o["claim"], o["result"]) for o in rmd.orderings(out)] == [  # the headline, both D-PSGD readings
+        ("DePRL (authors' code) > D-PSGD (authors' optimizer)", rmd.NOT_RUN), ("DePRL (authors' code) > D-PSGD",
+                                                                               rmd.NOT_RUN)]
+
+
+def test_the_pre_gossip_accuracy_is_read_where_a_run_recorded_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "cell"
+    folder.mkdir()
+    (folder / "summary.json").write_text("{}")
+    (folder / "config.yaml").write_text(yaml.safe_dump({"seed": 1, "rounds": 2}))
+    recs = [{"round": r, "peer": p, "acc": 0.5 + r / 10, "acc_pre_gossip": 0.7 + r / 10 + (p == "b") / 10}
+            for r in (0, 1) for p in ("a", "b")]
+    with gzip.open(folder / "metrics.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in recs))
+    monkeypatch.setattr(rmd, "ROOT", tmp_path)
+    e = rmd.read_evidence(folder)
+    assert e is not None and e.final == pytest.approx(0.6) and e.final_pre_gossip == pytest.approx(0.85)

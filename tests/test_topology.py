@@ -430,6 +430,7 @@ ALL_KINDS = [
     ("random_regular", 10, {"k": 4, "seed": 3}),
     ("random_pull", 6, {"k": 2}),
     ("directed_ring", 5, {}),
+    ("erdos_renyi", 12, {"p": 0.3, "seed": 2}),
 ]
 
 
@@ -465,6 +466,41 @@ def test_generator_shapes_and_options() -> None:
         generate("directed_ring", 4, weights="metropolis")
     with pytest.raises(TopologyError, match="unknown topology kind"):
         generate("star", 4)
+
+
+def test_erdos_renyi_is_the_first_connected_draw_from_its_seed_on() -> None:
+    import networkx as nx
+
+    n, p = 20, 0.12  # sparse enough that many draws are disconnected
+    draws = [nx.is_connected(nx.gnp_random_graph(n, p, seed=s)) for s in range(40)]
+    start = draws.index(False)  # a seed whose own draw is disconnected
+    first = next(s for s in range(start, 40) if draws[s])
+    t = generate("erdos_renyi", n, p=p, seed=start)
+    assert nx.is_connected(t.graph()) and t.weights == "metropolis"
+    want = nx.gnp_random_graph(n, p, seed=first)  # the next connected seed's graph, edge for edge
+    assert sorted(t.edges) == sorted((f"p{min(a, b)}", f"p{max(a, b)}") for a, b in want.edges)
+    assert generate("erdos_renyi", n, p=p, seed=start) == t  # deterministic
+    assert generate("erdos_renyi", n, p=p, seed=first + 1).edges != t.edges
+    assert len(generate("erdos_renyi", 6, p=1.0).edges) == 15  # p = 1: the complete graph
+    for bad in (0, -0.1, 1.5, float("nan"), True):
+        with pytest.raises(TopologyError, match="must be a probability"):
+            generate("erdos_renyi", 8, p=bad)
+    with pytest.raises(TopologyError, match="needs p"):
+        generate("erdos_renyi", 8)
+    with pytest.raises(TopologyError, match="p is only used by erdos_renyi"):
+        generate("ring", 8, p=0.5)
+    with pytest.raises(TopologyError, match="no connected"):
+        generate("erdos_renyi", 200, p=0.001)
+
+
+def test_the_authors_random_graph_file_is_the_generators() -> None:
+    """topology/er-128-p0.25.yaml: DePRL's public code's Random graph, G(128, 0.25), with its uniform weights."""
+    t = load_topology(ROOT / "topology" / "er-128-p0.25.yaml")
+    assert t == generate("erdos_renyi", 128, p=0.25, seed=0, weights="uniform", name="er-128-p0.25")
+    w = t.mixing_matrix()
+    deg = np.array([d for _, d in sorted(t.graph().degree, key=lambda nd: int(nd[0][1:]))])
+    np.testing.assert_allclose(np.diag(w), 1.0 / (deg + 1))  # self and every neighbour alike
+    assert 28 < deg.mean() < 36  # about 0.25 x 127 neighbours
 
 
 def test_explicit_round_trip(tmp_path: Path) -> None:
@@ -527,6 +563,11 @@ def test_cli_gen_check_show(tmp_path: Path) -> None:
     assert "doubly stochastic: yes" in ring_check.output and "edges: 8" in ring_check.output
     bad = runner.invoke(app, ["gen", "grid", "--peers", "7"])
     assert bad.exit_code == 2 and "error: " in bad.output
+    er = runner.invoke(app, ["gen", "erdos_renyi", "--peers", "10", "--p", "0.4", "--seed", "3"])
+    assert er.exit_code == 0, er.output
+    assert parse_topology(yaml.safe_load(er.stdout)) == generate("erdos_renyi", 10, p=0.4, seed=3)
+    bad_p = runner.invoke(app, ["gen", "erdos_renyi", "--peers", "10", "--p", "2"])
+    assert bad_p.exit_code == 2 and "error: erdos_renyi: p=2.0 must be a probability" in bad_p.output
     png = tmp_path / "ring.png"
     res = runner.invoke(app, ["show", str(ROOT / "topology" / "ring-8.yaml"), "--out", str(png)])
     assert res.exit_code == 0, res.output

@@ -59,6 +59,8 @@ FLAT_PTS = 0.5
 PERSONALIZED = ("personalized: mean over peers of each peer's own model on its own test split "
                 "(drawn with its training label mix), last round")
 AVERAGED = "averaged model x̄ (mean of all peers' final parameters) on the global test set"
+PRE_GOSSIP = ("personalized, each peer's model as trained, before it mixed (the authors' code's mix, train, evaluate "
+              "order), last evaluated round")
 GLOBAL_ON_OWN = ("global model on each client's split: mean over clients of the server's final global model on "
                  "each client's own test split (drawn with its training label mix), last round")
 PERSONALIZED_PS = ("personalized: mean over clients of each client's own model (its own head + the server's "
@@ -88,6 +90,12 @@ METHODS = (
     MethodDef("deprl-flatlr", "DePRL (no lr decay)", "deprl", "diagnostic: epochs reading, lr 0.005 / 0.01 without decay"),
     MethodDef("deprl-dpsgdlr", "DePRL (D-PSGD's lr)", "deprl",
               "diagnostic: epochs reading, lr 0.05 / 0.1 ×0.998 per round (D-PSGD's schedule)"),
+    # the settings of the authors' public code (table1/ring-pi*-authors.yaml, issue 69; spec 004 §9): 200 rounds,
+    # cnn_small with a 3-layer personal classifier; its D-PSGD cell (case dpsgd) is D-PSGD's protocol on that model
+    MethodDef("deprl-authors", "DePRL (authors' code)", "deprl",
+              "authors' code: lr 0.01 ×0.96, momentum 0.9, clip 10, 3 head + 1 body epochs, 3-layer personal head"),
+    MethodDef("dpsgd-authors", "D-PSGD (authors' optimizer)", "dpsgd",
+              "authors' code: lr 0.01 ×0.96, momentum 0.9, clip 10, 3 local epochs"),
     # parameter-server baselines on Flower's runtime (table1/ps-*.yaml), DePRL Table 7's columns
     MethodDef("fedavg", "FedAvg", "fedavg", "parameter server (Flower), D-PSGD's local rule"),
     MethodDef("fedrep", "FedRep", "fedrep", "parameter server (Flower), DePRL's local rule (epochs reading)"),
@@ -181,6 +189,8 @@ SWEEPS = tuple(SweepDef(split(f"{g}-pi{pi}") + EXTRA_FILES.get((g, pi), ()), "de
              "ring", 0.1),
     # the paper's model, on a lent GPU only (run_gpu.sh): the same Ring pi 0.1 cells with AlexNet
     SweepDef(split("alexnet-ring-pi0.1"), "deprl-t1-alexnet", "ring", 0.1, "alexnet"),
+) + tuple(  # the authors' code's settings (issue 69): DePRL, D-PSGD under its optimizer, D-PSGD's protocol; 200 rounds
+    SweepDef((f"ring-pi{pi}-authors",), "deprl-t1-authors", "ring", pi) for pi in PIS
 )
 
 CLAIMS_DIR = ROOT / "bench" / "reproduce" / "claims"
@@ -421,6 +431,9 @@ class Evidence:
     #: peers whose final parameters are not finite (they diverged: x̄ is then chance), and x̄ over the others
     nonfinite_peers: list[str] = field(default_factory=list)
     avg_model_acc_finite: float | None = None
+    #: the last evaluated round's mean accuracy of the models as trained, before they mixed (``eval_pre_gossip``:
+    #: the authors' mix-then-train-then-evaluate order); None when the run did not record it
+    final_pre_gossip: float | None = None
 
 
 def read_evidence(folder: Path) -> Evidence | None:
@@ -429,11 +442,14 @@ def read_evidence(folder: Path) -> Evidence | None:
     summary = json.loads((folder / "summary.json").read_text())
     cfg = yaml.safe_load((folder / "config.yaml").read_text())
     per_round: dict[int, list[float]] = {}
+    pre: dict[int, list[float]] = {}
     with gzip.open(folder / "metrics.jsonl.gz", "rt") as f:
         for line in f:
             rec = json.loads(line)
             if rec.get("acc") is not None:
                 per_round.setdefault(int(rec["round"]), []).append(float(rec["acc"]))
+            if rec.get("acc_pre_gossip") is not None:
+                pre.setdefault(int(rec["round"]), []).append(float(rec["acc_pre_gossip"]))
     curve = [(r, statistics.fmean(v)) for r, v in sorted(per_round.items())]
     avg_json = json.loads((folder / "avg_model.json").read_text()) if (folder / "avg_model.json").is_file() else {}
     avg = avg_json.get("acc")
@@ -450,7 +466,8 @@ def read_evidence(folder: Path) -> Evidence | None:
                     cpu_seconds_per_round=(json.loads((folder / "cpu.json").read_text()).get("cpu_seconds_per_round")
                                            if (folder / "cpu.json").is_file() else None),
                     nonfinite_peers=list(avg_json.get("nonfinite_peers", [])),
-                    avg_model_acc_finite=avg_json.get("acc_finite_peers"))
+                    avg_model_acc_finite=avg_json.get("acc_finite_peers"),
+                    final_pre_gossip=statistics.fmean(pre[max(pre)]) if pre else None)
 
 
 def curves_of(done: Sequence[Evidence]) -> dict[str, list[list[float]]]:
@@ -505,6 +522,7 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
         done = [e for e in runs if e is not None]
         mean, std = _mean_std([100 * e.final for e in done])
         avg_mean, avg_std = _mean_std([100 * e.avg_model_acc for e in done if e.avg_model_acc is not None])
+        pre_mean, pre_std = _mean_std([100 * e.final_pre_gossip for e in done if e.final_pre_gossip is not None])
         flat, gain = flattened([e.curve for e in done], rounds)
         paper, spread = DEPRL_PAPER[(sweep.graph, mdef.paper, sweep.pi)]
         out.append({
@@ -519,6 +537,8 @@ def sweep_cells(sweep: SweepDef) -> list[dict[str, Any]]:
             "vs_paper": vs_paper(mean, std, paper, spread, sweep.model),
             "flattened": flat, "gain_last_20pct_rounds_pts": gain,
             "avg_model": {"metric": AVERAGED, "mean": _r(avg_mean), "std": _r(avg_std)},
+            **({"pre_gossip": {"metric": PRE_GOSSIP, "mean": _r(pre_mean), "std": _r(pre_std)}}
+               if pre_mean is not None else {}),
             "wall_seconds_per_round": [_r(e.wall_seconds_per_round, 1) for e in done],
             "engines": sorted({e.engine for e in done}),
             **({"runtime": [e.runtime for e in done],
@@ -645,7 +665,8 @@ def orderings(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     keys = sorted({(c["table"], c["graph"], c["pi"]) for c in cells})
     for table, graph, pi in keys:
         by = {c["case"]: c for c in cells if (c["table"], c["graph"], c["pi"]) == (table, graph, pi)}
-        for hi, lo in (("deprl-epochs", "dispfl"), ("dispfl", "dpsgd"), ("deprl-epochs", "dpsgd")):
+        for hi, lo in (("deprl-epochs", "dispfl"), ("dispfl", "dpsgd"), ("deprl-epochs", "dpsgd"),
+                       ("deprl-authors", "dpsgd-authors"), ("deprl-authors", "dpsgd")):
             a, b = by.get(hi), by.get(lo)
             if not a or not b:
                 continue
@@ -673,7 +694,7 @@ def build_results() -> dict[str, Any]:
                        f"{TOLERANCE_CNN_SMALL} pts with cnn_small",
         },
         "cells": cells,
-        "orderings": orderings([c for c in cells if c["case"] in MAIN]),
+        "orderings": orderings([c for c in cells if c["case"] in MAIN or c["table"] == "deprl-t1-authors"]),
         "claims": claims,
     }
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from p2pfl.algorithms.base import Algorithm, PeerState, TrainContext
+from p2pfl.badinput import BadInput
 
 PERSONAL_HEAD = "fedrod_head"  # PeerState.extra key of p (flat, the head's layout order)
 
@@ -48,6 +49,9 @@ class FedRoD(Algorithm):
     batched = False  # its own losses through ``run_sgd``: the exact engine (and the Flower baseline) only
 
     def init_state(self, state: PeerState, generator: torch.Generator) -> None:
+        if len(self.layout.personal_names) != 2:  # p is "a second linear layer of the same shape"
+            raise BadInput("fedrod needs a one-layer head (weight and bias); this model's has "
+                           f"{len(self.layout.personal_names)} tensors", key="model.head_layers", allowed="1")
         numel = self.layout.numel - self.layout.num_shared  # the head's size
         state.extra[PERSONAL_HEAD] = torch.zeros(numel, dtype=state.params.dtype, device=state.params.device)
 
@@ -64,7 +68,7 @@ class FedRoD(Algorithm):
         n0 = layout.num_shared
         p_flat = state.extra[PERSONAL_HEAD]
         p_views = {s.name: p_flat[s.offset - n0 : s.offset - n0 + s.numel].view(s.shape) for s in layout.personal_specs()}
-        head_name = type(model).HEAD
+        head_name = model.HEAD  # type: ignore[union-attr]
         p_w, p_b = p_views[f"{head_name}.weight"], p_views[f"{head_name}.bias"]
         log_prior = torch.log(ctx.data.train_label_counts().to(p_flat.dtype))  # -inf for absent classes
         p_bufs: list[torch.Tensor | None] = [None, None]

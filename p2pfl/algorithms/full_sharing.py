@@ -82,15 +82,19 @@ class DPSGD(Algorithm):
       "one-step SGD in each communication round" reading of spec 002's baseline table).
       ``local_steps: 0`` (default) means "use ``local_epochs``".
 
-    It is plain SGD (no momentum hyperparameter; Lian's algorithm has none), with weight decay
-    5e-4 like every baseline. The update is adapt-then-combine (train, then mix the trained
-    models), as the papers describe it; Lian's original combine-while-adapt form
-    ``x_i <- sum_j w_ij x_j - eta g_i(x_i)`` is not what the papers ran and is not offered.
+    By default it is plain SGD (Lian's algorithm has no momentum), with weight decay 5e-4 like
+    every baseline. ``momentum`` (default 0, a buffer per round) and ``grad_clip`` (default 0: none)
+    exist for one reading only: DePRL's authors run D-PSGD with their DePRL optimizer (``dpsgd-authors``,
+    spec 004 §9), so that comparison needs D-PSGD under the same optimizer. The update is
+    adapt-then-combine (train, then mix the trained models), as the papers describe it; Lian's
+    original combine-while-adapt form ``x_i <- sum_j w_ij x_j - eta g_i(x_i)`` is not what the papers
+    ran and is not offered.
     """
 
     name = "dpsgd"
     shares = "all"
-    defaults: ClassVar = {"lr": 0.1, "local_epochs": 1, "local_steps": 0, "weight_decay": 5e-4, "lr_decay": 1.0}
+    defaults: ClassVar = {"lr": 0.1, "local_epochs": 1, "local_steps": 0, "weight_decay": 5e-4, "lr_decay": 1.0,
+                          "momentum": 0.0, "grad_clip": 0.0}
 
     @classmethod
     def check(cls, hp: dict[str, Any]) -> None:
@@ -105,7 +109,9 @@ class DPSGD(Algorithm):
         steps = int(self.hp["local_steps"])
         work: dict[str, Any] = ({"amount": steps, "unit": "steps"} if steps > 0
                                 else {"amount": float(self.hp["local_epochs"]), "unit": "epochs"})
-        loss = ctx.train("all", Phase(lr=self.lr("lr", round), weight_decay=float(self.hp["weight_decay"]), **work))
+        loss = ctx.train("all", Phase(lr=self.lr("lr", round), weight_decay=float(self.hp["weight_decay"]),
+                                      momentum=float(self.hp["momentum"]), grad_clip=float(self.hp["grad_clip"]),
+                                      **work))
         return {"train_loss": loss}
 
 
@@ -117,4 +123,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dfedavg-paper": {**_PAPER, "local_epochs": 5, "momentum": 0.0},
     "dfedavgm-paper": {**_PAPER, "local_epochs": 5, "momentum": 0.9},
     "dpsgd-paper": {**_PAPER, "local_epochs": 1, "local_steps": 0},
+    # D-PSGD as DePRL's authors run it (GYan58/AAAI24-DePRL at 341e890; spec 004 §9): their one client
+    # optimizer, SGD momentum 0.9 rebuilt every round (Sims.py:33, 138-140), lr 0.01 (Main.py:185) x0.96
+    # per round (Sims.py:398-399, 434-436), weight decay 1e-5 (Main.py:198), gradient norm clipped at 10
+    # (Sims.py:195), on the whole model for ``epoch`` = 3 local epochs (Main.py:184; Sims.py:188, the
+    # ``way1`` rule that genConfig gives D-PSGD, Utils.py:823-828).
+    "dpsgd-authors": {"lr": 0.01, "lr_decay": 0.96, "weight_decay": 1e-5, "momentum": 0.9, "grad_clip": 10.0,
+                      "local_epochs": 3, "local_steps": 0},
 }

@@ -48,13 +48,15 @@ def gen(
         str,
         typer.Argument(
             help="ring | grid | torus | exponential | full | random_regular | random_pull | directed_ring"
+            " | erdos_renyi"
         ),
     ],
     peers: Annotated[int, typer.Option("--peers", "-n", help="number of peers")],
     k: Annotated[
         int | None, typer.Option(help="degree (random_regular) or peers drawn per round (random_pull)")
     ] = None,
-    seed: Annotated[int, typer.Option(help="seed of random_regular")] = 0,
+    p: Annotated[float | None, typer.Option("--p", help="edge probability (erdos_renyi)")] = None,
+    seed: Annotated[int, typer.Option(help="seed of random_regular and erdos_renyi")] = 0,
     weights: Annotated[
         str | None,
         typer.Option(help="metropolis | uniform (default: metropolis if undirected, else uniform)"),
@@ -80,6 +82,7 @@ def gen(
             kind,
             peers,
             k=k,
+            p=p,
             seed=seed,
             host=host,
             base_port=base_port,

@@ -1,10 +1,10 @@
-"""Model zoo: the papers' models with a declared personal head (final linear) and a shared body.
+"""Model zoo: the papers' models with a declared personal head (final linear, or a linear stack) and a shared body.
 
 Every model carries only parameters (GroupNorm instead of BatchNorm, no buffers) and no dropout,
 so that mixing flat parameter buffers is the whole story and peers stay bitwise deterministic.
 """
 
-from .alexnet import AlexNet
+from .alexnet import AlexNet, AlexNetFMNIST
 from .base import PersonalModel
 from .cnn import LeNet, SmallCNN
 from .mlp import MLP
@@ -16,6 +16,7 @@ __all__ = [
     "MLP",
     "VGG11",
     "AlexNet",
+    "AlexNetFMNIST",
     "LeNet",
     "PersonalModel",
     "ResNet18",

@@ -1,14 +1,20 @@
 """What every model in the zoo has in common: one declared personal head, no buffers, no randomness.
 
-Why a single class attribute: the personalized algorithms (DFedMDC, DFedPGP, DePRL, FedRep-style
+Why a single attribute: the personalized algorithms (DFedMDC, DFedPGP, DePRL, FedRep-style
 baselines) all split a model into a shared body that is gossiped and a personal head that never
 leaves the peer. Declaring the head in exactly one place (``HEAD``) keeps the split, the flat
 ``[shared | personal]`` layout and the wire format from drifting apart.
+
+The head is one module: the final ``nn.Linear`` (the papers' "final fully-connected layer"), or an
+``nn.Sequential`` classifier of several linear layers (``linear_stack``), which is how DePRL's public
+code splits its models (every parameter of the ``classifier``; spec 004 §9). A model whose head
+depth is a choice takes a ``head_layers`` argument (``model.head_layers`` in a config) and sets
+``HEAD`` on the instance.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,27 +26,61 @@ InputShape = tuple[int, int, int]
 class PersonalModel(nn.Module):
     """Base class of the zoo's models.
 
-    Subclasses set ``HEAD`` to the module path of their final ``nn.Linear`` (the personal head:
-    weight and bias) and register that layer *last*, so that ``named_parameters()`` lists the
-    shared body first and the head at the end.
+    Subclasses set ``HEAD`` to the module path of their personal head (its final ``nn.Linear``, or
+    an ``nn.Sequential`` of linear layers ending in one: every parameter under that path is personal)
+    and register that module *last*, so that ``named_parameters()`` lists the shared body first and
+    the head at the end. ``HEAD`` is a class attribute; a model whose head depends on a constructor
+    argument (``head_layers``) sets it on the instance.
 
     Subclasses implement ``represent(x)``, the body's features; ``forward`` is the head applied to
     them. Why the split: an algorithm that trains the head with the body frozen (DePRL, DFedMDC,
     DFedPGP) computes the features of its minibatches once per phase instead of once per step.
     """
 
-    HEAD: ClassVar[str] = ""
+    HEAD: str = ""
 
     def represent(self, x: Tensor) -> Tensor:
-        """The body's output: what the head (``HEAD``, the final linear layer) is applied to."""
+        """The body's output: what the head (``HEAD``) is applied to."""
         raise NotImplementedError
 
-    def head(self) -> nn.Linear:
-        """The personal head module."""
+    def head(self) -> nn.Module:
+        """The personal head module (an ``nn.Linear``, or a ``linear_stack``)."""
         return getattr(self, self.HEAD)
 
     def forward(self, x: Tensor) -> Tensor:
         return getattr(self, self.HEAD)(self.represent(x))
+
+
+def linear_stack(widths: Sequence[int], *, relu_last: bool = False) -> nn.Sequential:
+    """``Linear(w0, w1), ReLU, Linear(w1, w2), ..., Linear(w_{n-1}, w_n)``: an MLP classifier or a part of one.
+
+    ``relu_last`` adds a ReLU after the last layer too (a part that feeds further layers). No
+    dropout: the zoo's models draw nothing at forward time (see ``AlexNet``).
+    """
+    if len(widths) < 2:
+        raise ValueError(f"a linear stack needs at least two widths, got {list(widths)}")
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
+        layers.append(nn.Linear(a, b))
+        if relu_last or i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def head_layers_problem(head_layers: object, most: int) -> str | None:
+    """Why ``head_layers`` is refused (None: accepted): an int in ``[1, most]``, the linear layers
+    that can be personal. One rule for the constructors and the config check (``model.head_layers``)."""
+    if isinstance(head_layers, bool) or not isinstance(head_layers, int) or not 1 <= head_layers <= most:
+        return f"must be an integer in [1, {most}], got {head_layers!r}"
+    return None
+
+
+def check_head_layers(model: str, head_layers: int, most: int) -> int:
+    """``head_layers`` checked by ``head_layers_problem``; ``ValueError`` naming the model otherwise."""
+    problem = head_layers_problem(head_layers, most)
+    if problem is not None:
+        raise ValueError(f"{model}: head_layers {problem}")
+    return head_layers
 
 
 def check_input_shape(input_shape: tuple[int, ...]) -> InputShape:

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from torch import Tensor, nn
 
-from .base import PersonalModel, channels_last, check_input_shape, check_num_classes, conv_out
+from .base import (
+    PersonalModel,
+    channels_last,
+    check_head_layers,
+    check_input_shape,
+    check_num_classes,
+    conv_out,
+    linear_stack,
+)
 
 
 def _two_conv_flat(h: int, w: int, kernel: int, name: str) -> tuple[int, int]:
@@ -56,9 +66,18 @@ class SmallCNN(PersonalModel):
     7,500 Fashion-MNIST samples (batch 64, SGD) takes about 1.5 s, against about 4.6 s for
     (32, 64, 128), with little accuracy to gain on 28x28 images; pass ``channels``/``hidden`` to
     change it.
+
+    ``head_layers`` (default 1) makes the personal head a multi-layer classifier, as DePRL's public
+    code does (its whole classifier is personal, spec 004 §9): the classifier then has
+    ``max(2, head_layers)`` linear layers (``hidden`` wide), all of them personal, under the name
+    ``classifier`` (``linear_stack``); the body is the two convolutions. ``head_layers: 2`` is the
+    default network with its whole classifier personal, ``head_layers: 3`` adds a hidden layer to
+    mirror the authors' three-layer classifier. ``head_layers: 1`` is the network as before, the
+    parameter names (``fc1``, ``fc2``) included, so existing runs and checkpoints are unchanged.
     """
 
     HEAD = "fc2"
+    MAX_HEAD_LAYERS: ClassVar[int] = 8  # a bound on the classifier's depth, not a paper's value
 
     def __init__(
         self,
@@ -66,19 +85,27 @@ class SmallCNN(PersonalModel):
         num_classes: int,
         channels: tuple[int, int] = (16, 32),
         hidden: int = 128,
+        head_layers: int = 1,
     ) -> None:
         super().__init__()
         c, h, w = check_input_shape(input_shape)
         check_num_classes(num_classes)
+        check_head_layers("cnn_small", head_layers, self.MAX_HEAD_LAYERS)
         c1, c2 = channels
         fh, fw = _two_conv_flat(h, w, 5, "cnn_small")
         self.conv1 = nn.Conv2d(c, c1, 5)
         self.conv2 = nn.Conv2d(c1, c2, 5)
         self.pool = nn.MaxPool2d(2, 2)
-        self.fc1 = nn.Linear(c2 * fh * fw, hidden)
-        self.fc2 = nn.Linear(hidden, num_classes)  # personal head, registered last
+        self.multi = head_layers > 1
+        if self.multi:
+            widths = [c2 * fh * fw] + [hidden] * (head_layers - 1) + [num_classes]
+            self.classifier = linear_stack(widths)  # personal head, registered last
+            self.HEAD = "classifier"
+        else:
+            self.fc1 = nn.Linear(c2 * fh * fw, hidden)
+            self.fc2 = nn.Linear(hidden, num_classes)  # personal head, registered last
 
     def represent(self, x: Tensor) -> Tensor:
         x = self.pool(channels_last(self.conv1(x)).relu())
         x = self.pool(self.conv2(x).relu())
-        return self.fc1(x.flatten(1)).relu()
+        return x.flatten(1) if self.multi else self.fc1(x.flatten(1)).relu()

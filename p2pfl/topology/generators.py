@@ -1,4 +1,4 @@
-"""Standard topologies used by the papers (Ring / Grid / Torus / Exp / Full / random), as `Topology` objects.
+"""Standard topologies used by the papers (Ring / Grid / Torus / Exp / Full / random / Erdős–Rényi), as `Topology` objects.
 
 Graphs come from networkx; this module only maps nodes to peer ids ``p0..p{n-1}`` and addresses.
 Every generated topology goes through the same validation as a hand-written file.
@@ -16,13 +16,16 @@ from .schedule import Schedule
 from .spec import Peer, Topology, TopologyError
 
 #: Kinds accepted by `generate`.
-KINDS = ("ring", "grid", "torus", "exponential", "full", "random_regular", "random_pull", "directed_ring")
+KINDS = ("ring", "grid", "torus", "exponential", "full", "random_regular", "random_pull", "directed_ring",
+         "erdos_renyi")
 
 _DIRECTED_KINDS = ("random_pull", "directed_ring")
 
 # Default neighbour count of random_pull: the Dis-PFL scheme samples 10 peers per round.
 _DEFAULT_PULL_K = 10
 _MAX_REGULAR_TRIES = 200
+# Draws of erdos_renyi before giving up on a connected one (seed, seed + 1, ...).
+_MAX_ER_TRIES = 1000
 
 
 def grid_shape(n: int) -> tuple[int, int]:
@@ -65,11 +68,33 @@ def _random_regular(n: int, k: int, seed: int) -> nx.Graph:
     )
 
 
+def _erdos_renyi(n: int, p: float, seed: int) -> nx.Graph:
+    """The first connected draw of G(n, p) among seeds ``seed, seed + 1, ...``.
+
+    Why: DePRL's public code draws its Random graph as G(n, 0.25), every pair of workers linked with
+    probability p (GYan58/AAAI24-DePRL ``Utils.py:452-467``), and uses it whatever it draws; the
+    paper asks for a connected graph ("we randomly generate a connected communication graph") and
+    mixing needs one, so a disconnected draw is replaced by the next seed's, deterministically (the
+    file records only the graph; at n = 128, p = 0.25 the first draw is connected in practice).
+    Each draw is networkx's ``gnp_random_graph(n, p, seed=s)``, so anyone can redraw it.
+    """
+    if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < float(p) <= 1:
+        raise TopologyError(f"erdos_renyi: p={p!r} must be a probability in (0, 1]")
+    for s in range(seed, seed + _MAX_ER_TRIES):
+        g = nx.gnp_random_graph(n, float(p), seed=s)
+        if nx.is_connected(g):
+            return g
+    raise TopologyError(
+        f"erdos_renyi: no connected G({n}, {p}) among seeds {seed}..{seed + _MAX_ER_TRIES - 1}; raise p"
+    )
+
+
 def generate(
     kind: str,
     n: int,
     *,
     k: int | None = None,
+    p: float | None = None,
     seed: int = 0,
     host: str = "127.0.0.1",
     base_port: int = 50050,
@@ -82,7 +107,8 @@ def generate(
     Kinds: ``ring``, ``grid`` (nearly square rows x cols, row-major), ``torus`` (periodic grid),
     ``exponential`` (i ~ i + 2^j mod n), ``full``, ``random_regular`` (connected random k-regular,
     seeded), ``random_pull`` (all peers, no edges, ``schedule: {kind: random_pull, k}``; k defaults
-    to min(10, n-1)), ``directed_ring`` (i -> i+1, for push-sum examples).
+    to min(10, n-1)), ``directed_ring`` (i -> i+1, for push-sum examples), ``erdos_renyi`` (each
+    pair linked with probability ``p``; the first connected draw of seeds ``seed, seed + 1, ...``).
 
     Addresses are ``{host}:{base_port + i}``, or ``address_template.format(i=i, id=..., port=base_port + i)``
     (e.g. ``"peer-{i}:50051"`` for one container per peer). ``weights`` defaults to ``metropolis``
@@ -94,6 +120,8 @@ def generate(
         raise TopologyError(f"{kind}: need at least 2 peers, got n={n!r}")
     if k is not None and kind not in ("random_regular", "random_pull"):
         raise TopologyError(f"{kind}: k is only used by random_regular and random_pull")
+    if p is not None and kind != "erdos_renyi":
+        raise TopologyError(f"{kind}: p is only used by erdos_renyi")
     directed = kind in _DIRECTED_KINDS
     if weights is None:
         weights = "uniform" if directed else "metropolis"
@@ -111,6 +139,10 @@ def generate(
         if k is None:
             raise TopologyError("random_regular needs k (the degree)")
         g: nx.Graph = _random_regular(n, k, seed)
+    elif kind == "erdos_renyi":
+        if p is None:
+            raise TopologyError("erdos_renyi needs p (the edge probability)")
+        g = _erdos_renyi(n, p, seed)
     elif kind == "random_pull":
         g = nx.empty_graph(n, create_using=nx.DiGraph)
         schedule = Schedule(kind="random_pull", k=min(_DEFAULT_PULL_K, n - 1) if k is None else k)
