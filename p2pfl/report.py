@@ -332,15 +332,13 @@ def _csv_value(value: Any) -> Any:
 
 def plot_groups(groups: Sequence[Group], cols: Sequence[str], out: Path) -> list[Path]:
     """``accuracy_vs_round.png`` and ``accuracy_vs_bytes.png``: the seed mean per group, ± std band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+
+    from p2pfl.display import figure
 
     paths = []
     for name, xlabel in (("accuracy_vs_round.png", "round"), ("accuracy_vs_bytes.png", "MB sent per peer")):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = figure((7, 4.5))
         for g in groups:
             pts = g.curve()
             if not pts:
@@ -362,7 +360,6 @@ def plot_groups(groups: Sequence[Group], cols: Sequence[str], out: Path) -> list
         fig.tight_layout()
         path = out / name
         fig.savefig(path, dpi=110)
-        plt.close(fig)
         paths.append(path)
     return paths
 

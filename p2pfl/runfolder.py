@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from p2pfl.display import figure, progress_bar
+
 if TYPE_CHECKING:
     from p2pfl.config import ExperimentConfig
     from p2pfl.topology import Topology
@@ -162,16 +164,6 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def _figure():  # noqa: ANN202 - matplotlib types stay a lazy import
-    """A figure on the Agg canvas (no pyplot state, safe in threads) and its one axis."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 4))
-    FigureCanvasAgg(fig)
-    return fig, fig.add_subplot()
-
-
 def _draw(ax, rounds: dict[int, list[float]], color: str, label: str, quartiles: bool) -> None:  # noqa: ANN001
     """One series: the mean over peers per round, its min-max band and (optionally) its quartile band."""
     xs = [k + 1 for k in rounds]
@@ -204,14 +196,14 @@ def plot_accuracy(recs: list[dict[str, Any]], path: Path, title: str = "") -> No
     rounds = per_round(recs)
     if not rounds:
         return
-    fig, ax = _figure()
+    fig, ax = figure()
     _draw(ax, rounds, "C0", "mean personalized accuracy", quartiles=True)
     _save(fig, ax, path, title)
 
 
 def plot_comparison(series: dict[str, list[dict[str, Any]]], path: Path, title: str = "") -> None:
     """Several runs on one plot (``p2pfl compare``): each run's mean accuracy per round and min-max band."""
-    fig, ax = _figure()
+    fig, ax = figure()
     drawn = 0
     for i, (label, recs) in enumerate(series.items()):
         rounds = per_round(recs)
@@ -277,11 +269,7 @@ class RunFolder:
 
     def show_progress(self, total: int, label: str = "simulating", unit: str = "peer-rounds") -> None:
         """A progress bar over ``total`` records (one per ``record`` call) until ``finish``/``close``."""
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
-                             TimeElapsedColumn())
-        self._bar.start()
+        self._bar = progress_bar(label, unit)
         self._task = self._bar.add_task(label, total=total)
 
     def record(self, rec: dict[str, Any]) -> dict[str, Any]:

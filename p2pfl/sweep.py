@@ -677,13 +677,11 @@ def _run_cells(spec: SweepSpec, cells: list[Cell], out: Path, *, jobs: int, dry_
 def _progress(enabled: bool, total: int, done: int) -> tuple[Any, Any]:
     if not enabled:
         return None, None
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import TextColumn
 
-    console = Console(stderr=True)
-    bar = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"),
-                   TextColumn("[red]{task.fields[failed]} failed"), TimeElapsedColumn(), console=console)
-    bar.start()
+    from p2pfl.display import progress_bar
+
+    bar = progress_bar("sweep", "cells", TextColumn("[red]{task.fields[failed]} failed"), stderr=True)
     task = bar.add_task("cells", total=total, completed=done, failed=0)
     return bar, task
 

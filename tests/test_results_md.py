@@ -294,9 +294,8 @@ def test_the_authors_settings_lane_plans_deprl_beside_both_dpsgd_readings(tmp_pa
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """table1/ring-pi*-authors.yaml (issue 69): per pi, 3 cases x 3 seeds at 200 rounds on cnn_small with a 3-layer
     personal classifier, each case at its preset's values; results_md catalogues them as their own group."""
-    from p2pfl.algorithms.full_sharing import PRESETS as BASELINES
-
     from p2pfl.algorithms.deprl import PRESETS as DEPRL
+    from p2pfl.algorithms.full_sharing import PRESETS as BASELINES
     from p2pfl.sweep import load_sweep, plan_cells
 
     for pi in rmd.PIS:

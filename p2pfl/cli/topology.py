@@ -182,12 +182,9 @@ def show(
     seed: Annotated[int, typer.Option(help="experiment seed (random schedules)")] = 0,
 ) -> None:
     """Draw the graph (for random schedules: the pull graph of one round) to an image."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import networkx as nx
 
+    from p2pfl.display import figure
     from p2pfl.topology.generators import grid_shape
     from p2pfl.topology.spec import TopologyError
 
@@ -217,7 +214,7 @@ def show(
     else:
         pos = nx.spring_layout(g, seed=0)
     size = max(4.0, min(12.0, 0.6 * topo.n))
-    fig, ax = plt.subplots(figsize=(size, size))
+    fig, ax = figure((size, size))
     nx.draw_networkx(
         g, pos=pos, ax=ax, node_color="#9ecae1", edge_color="#555555", font_size=8, arrows=g.is_directed()
     )
@@ -228,6 +225,4 @@ def show(
         fig.savefig(out, dpi=120)
     except OSError as e:
         raise _fail(f"cannot write {out}: {e.strerror or e}", code=1) from None
-    finally:
-        plt.close(fig)
     typer.echo(f"wrote {out}", err=True)
