@@ -21,6 +21,16 @@ def records_without_times(run_dir: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in json.loads(line).items() if k not in TIMES} for line in lines]
 
 
+def assert_same_bytes(sim: list[dict[str, Any]], records: list[dict[str, Any]]) -> None:
+    """Per (peer, round) ``bytes_sent``/``bytes_recv`` equal in both runs, and sent == received in total."""
+    def by_key(recs: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[int, int]]:
+        return {(r["peer"], r["round"]): (r["bytes_sent"], r["bytes_recv"]) for r in recs}
+
+    assert by_key(records) == by_key(sim)
+    for recs in (sim, records):
+        assert sum(r["bytes_sent"] for r in recs) == sum(r["bytes_recv"] for r in recs) > 0
+
+
 def tiny_config(tmp_path: Path, *, peers: int = 4, rounds: int = 3, algorithm: dict[str, Any] | None = None,
                 kind: str = "ring", base_port: int = 50050, **extra: Any) -> Path:
     """Write a 4-peer synthetic experiment (and its topology) into ``tmp_path``; return the config path."""

@@ -41,8 +41,8 @@ from flwr.serverapp import ServerApp
 from torch import nn
 
 from p2pfl.algorithms.base import Algorithm, PeerState, TrainContext
-from p2pfl.badinput import shorten
 from p2pfl.appdir import AppError, importable, is_object_ref, load_object, read_app_dir, run_config
+from p2pfl.badinput import shorten
 from p2pfl.flower.appstate import AppLayout, app_layout, as_state
 from p2pfl.flower.records import (
     ARRAYS_KEY,
