@@ -1,15 +1,15 @@
 """Centralized baselines (FedAvg, FedPer, FedRep) on Flower: the peers' ClientApp under Flower's FedAvg.
 
 Most tests use the in-process runtime (no Ray start-up): one module-scoped FedPer run of 4 tiny
-peers for 3 rounds. One test runs Flower's own simulation runtime (``run_simulation``, Ray) on
-2 peers for 2 rounds and checks it gives the in-process numbers exactly.
+peers for 3 rounds. One test runs Flower's own Simulation Runtime the way ``flwr run`` does (the
+project's Flower App on a SuperLink of its own, Ray backend) on 2 peers for 2 rounds and checks it
+gives the in-process numbers exactly.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,8 +187,8 @@ def test_flower_command_writes_the_run_folder(fedper: FedPerRun, tmp_path: Path)
 
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not ray_available(), reason="flwr[simulation] (Ray) is not installed")
-def test_fedrep_under_flowers_ray_runtime_matches_the_in_process_numbers(tmp_path: Path) -> None:
-    """Flower's simulation runtime (run_simulation, Ray backend): 2 peers, 2 rounds, DePRL's head-then-body rule."""
+def test_fedrep_under_flwr_run_matches_the_in_process_numbers(tmp_path: Path) -> None:
+    """Flower's Simulation Runtime behind ``flwr run`` (Ray backend): 2 peers, 2 rounds, DePRL's head-then-body rule."""
     path = tiny_config(tmp_path, peers=2, rounds=2, algorithm={"name": "deprl", "tau": 2, "rep_steps": 2})
     cfg = load_config(path)
     ray_dir = tmp_path / "ray"
@@ -200,56 +200,49 @@ def test_fedrep_under_flowers_ray_runtime_matches_the_in_process_numbers(tmp_pat
         ray_dir = tmp_path / "ray-retry"
         ray_sum = run_baseline(cfg, ray_dir, "fedrep", runtime="ray")
     inproc = run_baseline(cfg, tmp_path / "inproc", "fedrep", runtime="in-process")
-    assert ray_sum["runtime"] == "flwr-simulation-ray" and inproc["runtime"] == "in-process"
+    assert ray_sum["runtime"] == "flwr-run" and inproc["runtime"] == "in-process"
     keys = ("round", "peer", "acc", "loss", "train_loss", "bytes_sent", "bytes_recv")
     ray_recs = [{k: r[k] for k in keys} for r in _records(ray_dir)]
     assert len(ray_recs) == 4
     assert ray_recs == [{k: r[k] for k in keys} for r in _records(tmp_path / "inproc")]
+    assert not (ray_dir / "checkpoints").exists()  # the ServerApp finished the folder as run_baseline does
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.skipif(not ray_available(), reason="flwr[simulation] (Ray) is not installed")
-@pytest.mark.parametrize("nodes_up", [False, True], ids=["before-nodes-connect", "waiting-for-replies"])
-def test_a_failed_flower_runtime_leaves_no_serverapp_thread_behind(tmp_path: Path, monkeypatch,
-                                                                   nodes_up: bool) -> None:
-    """Flower's runtime failing after the ServerApp started (as when Ray's raylet does not register in
-    time) must not leave the ServerApp's non-daemon thread waiting, for nodes or for the replies to its
-    first round: CI hung at exit on such a thread. The failing runtime registers the nodes (or not)
-    in flwr's link state as the real one does, then raises instead of running them."""
-    import threading
-    import time
+@pytest.mark.timeout(300)
+def test_a_failed_flwr_run_raises_with_its_reason_and_leaves_no_process(tmp_path: Path) -> None:
+    """A run whose ServerApp fails (here: its config file is missing) raises ``FlowerRunError`` with
+    the run's status, and the SuperLink's whole process group (flwr-simulation, Ray) is gone after."""
+    import os
 
-    from flwr.simulation import run_simulation as flwr_run_simulation
+    from p2pfl.centralized.superlink import APP_ROOT, FlowerRunError, LocalSuperLink
 
-    vce = sys.modules[flwr_run_simulation.__module__].vce
-    cfg = load_config(tiny_config(tmp_path, peers=2, rounds=2))
+    with LocalSuperLink() as link:
+        pid, home = link._proc.pid if link._proc else 0, link.home
+        with pytest.raises(FlowerRunError, match="finished:failed"):
+            link.flwr_run(APP_ROOT, {"config": str(tmp_path / "missing.yaml"), "out": str(tmp_path / "run")},
+                          {"num-supernodes": 2, "init-args-num-cpus": 1})
+    assert pid and not home.exists()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # no process of its group is left
 
-    def failing_runtime(**kwargs) -> None:
-        if nodes_up:
-            vce.vce_api._register_nodes(kwargs["num_supernodes"], kwargs["state_factory"])
-        time.sleep(1.0)  # the ServerApp waits for nodes, or has sent its first round and waits for replies
-        raise RuntimeError("raylet did not register")
 
-    monkeypatch.setattr(vce, "start_vce", failing_runtime)
-    from p2pfl.centralized import baselines
+def test_a_flower_deprecation_fails_the_test(flower_deprecations: list[str]) -> None:
+    """The suite's guard (tests/conftest.py): flwr logs a deprecation instead of warning, and it is caught."""
+    from flwr.supercore.logger import warn_deprecated_feature
 
-    sent = []
-    real = baselines.StoppableGrid.send_and_receive
+    warn_deprecated_feature("`p2pfl`'s test feature")
+    assert len(flower_deprecations) == 1 and "`p2pfl`'s test feature" in flower_deprecations[0]
+    flower_deprecations.clear()  # expected here: the fixture would fail the test otherwise
 
-    def spy(self, messages, **kwargs):
-        sent.append(True)
-        return real(self, messages, **kwargs)
 
-    monkeypatch.setattr(baselines.StoppableGrid, "send_and_receive", spy)
-    before = set(threading.enumerate())
-    with pytest.raises(RuntimeError):
-        run_baseline(cfg, tmp_path / "run", "fedavg", runtime="ray")
-    deadline = time.monotonic() + 10
-    while (left := [t for t in set(threading.enumerate()) - before if not t.daemon and t.is_alive()]) \
-            and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"threads still running: {[t.name for t in left]}"
-    assert bool(sent) == nodes_up  # the thread was stopped where this case says it waited
+def test_the_summary_table_names_the_baseline(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from p2pfl.cli.main import print_summary
+
+    summary = {"name": "tiny", "algorithm": "dfedavg", "baseline": "fedavg", "rounds": 1, "peers": 2,
+               "final_acc_mean": 0.5, "final_acc_min": 0.4, "final_acc_max": 0.6, "bytes_sent_per_peer": 0}
+    print_summary(summary, tmp_path)
+    out = capsys.readouterr().out
+    assert "tiny / fedavg (centralized): personalized accuracy" in out and "dfedavg" not in out
 
 
 @pytest.mark.timeout(300)

@@ -425,7 +425,7 @@ class Evidence:
     rounds: int
     avg_model_acc: float | None
     wall_seconds_per_round: float | None
-    runtime: str | None = None  # a Flower run: flwr-simulation-ray | in-process
+    runtime: str | None = None  # a Flower run: flwr-run (flwr-simulation-ray before flwr run) | in-process
     cpu_seconds_per_round: float | None = None
     engine: str = "exact (cpu)"  # simulation.engine (device) of the run
     #: peers whose final parameters are not finite (they diverged: x̄ is then chance), and x̄ over the others
@@ -802,7 +802,7 @@ def table7_section(cells: list[dict[str, Any]]) -> list[str]:
     """DePRL Table 7 (Ring): the PS baselines run on Flower beside the decentralized Ring cells, ours / paper."""
     doc = ["## DePRL Table 7 (Ring, Fashion-MNIST): parameter-server baselines on Flower, same partition", "",
            "FedAvg, FedRep, Ditto and FedRoD run through Flower (`p2pfl flower`: Flower's `FedAvg` strategy, "
-           "`flwr.simulation.run_simulation` with the Ray backend; each run's `summary.json` records the runtime "
+           "Flower's Simulation Runtime with the Ray backend; each run's `summary.json` records the runtime "
            "that ran) on the same 128 clients, partition, batch, model and initial weights as the Ring cells; "
            "every client takes part in every round. \"Ring\" means only the same partition: a server has no graph. "
            "Local rules (the spec gives the baselines none): FedAvg = D-PSGD's (1 epoch, lr 0.1 ×0.998, wd 5e-4), "

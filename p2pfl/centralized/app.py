@@ -3,9 +3,12 @@
 ``flwr run . --run-config "baseline='fedrep' config='peers/demo.yaml'"`` runs a config's peers as
 Flower SuperNodes (one per peer: set the federation's ``num-supernodes`` to the topology's
 size) under ``RecordingFedAvg``; the ServerApp writes the same run folder as ``p2pfl flower``
-(``out``, default ``runs/flwr-<name>-<baseline>``). Run config keys: ``config`` (a p2pfl
+(``out``, default ``runs/flwr-<name>-<baseline>``). ``p2pfl flower --runtime ray`` runs this very
+app the same way (``p2pfl.centralized.superlink``). Run config keys: ``config`` (a p2pfl
 experiment YAML, relative to the app's folder or absolute), ``baseline``, ``rounds`` (0: the
-config's), ``out``.
+config's), ``out``, ``resume-at`` (the round a resumed run starts at, prepared by ``p2pfl flower
+--resume``; 0: from the start). With an absolute ``out`` the nodes write their checkpoint
+generations there (a relative one could name another folder in a Ray worker's working directory).
 """
 
 from __future__ import annotations
@@ -46,14 +49,21 @@ def _config(run_config: dict[str, Any]) -> Any:
     return load_config(path, sets)
 
 
+def _out(run_config: dict[str, Any], cfg: Any, baseline: str) -> Path:
+    return Path(str(run_config.get("out") or f"runs/flwr-{cfg.name}-{baseline}"))
+
+
 def _baseline_peers(context: Context) -> Any:
     from p2pfl.centralized.baselines import baseline_peers, portable_config
 
     rc = dict(context.run_config)
-    key = (str(rc.get("config")), str(rc.get("baseline", "fedper")), int(rc.get("rounds", 0) or 0))
+    out = str(rc.get("out") or "")
+    key = (str(rc.get("config")), str(rc.get("baseline", "fedper")), int(rc.get("rounds", 0) or 0), out,
+           int(rc.get("resume-at", 0) or 0))
     with _lock:
         if key not in _peers:
-            _peers[key] = baseline_peers(portable_config(_config(rc)), key[1])
+            run_dir = out if Path(out).is_absolute() else None
+            _peers[key] = baseline_peers(portable_config(_config(rc)), key[1], run_dir, key[4] if run_dir else 0)
         return _peers[key]
 
 
@@ -69,24 +79,10 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
-    from flwr.app import ConfigRecord
-
-    from p2pfl.centralized.baselines import RecordingFedAvg, baseline_of, finish_run_folder, initial_arrays
-    from p2pfl.experiment import Experiment
-    from p2pfl.runfolder import RunFolder
+    from p2pfl.centralized.baselines import on_grid, serve_baseline
 
     rc = dict(context.run_config)
     cfg = _config(rc)
     baseline = str(rc.get("baseline", "fedper"))
-    b = baseline_of(baseline, cfg.algorithm_name)
-    exp = Experiment.from_config(cfg)
-    out = Path(str(rc.get("out") or f"runs/flwr-{cfg.name}-{baseline}"))
-    run = RunFolder.start(out, cfg, exp.topology, exp.partition, f"flower-{baseline}")
-    ids = list(exp.topology.ids)
-    strategy = RecordingFedAvg(ids, run.record)
-    try:
-        strategy.start(grid, initial_arrays(exp, b.scope), num_rounds=cfg.rounds,
-                       train_config=ConfigRecord({"num-rounds": cfg.rounds}))
-    finally:
-        run.close()
-    finish_run_folder(run, ids, baseline, "flwr-run")
+    serve_baseline(on_grid(grid), cfg, _out(rc, cfg, baseline), baseline, runtime="flwr-run",
+                   start=int(rc.get("resume-at", 0) or 0))

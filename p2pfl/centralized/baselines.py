@@ -19,11 +19,15 @@ fedrod      the body and the generic head; each node   balanced-softmax step of 
             generic + personal head                   (``p2pfl.algorithms.fedrod``)
 ==========  ========================================  ==========================================
 
-Runtime: ``flwr.simulation.run_simulation`` with the Ray backend (``flwr[simulation]``). Where
+Runtime: Flower's Simulation Runtime (Ray backend, ``flwr[simulation]``) the way ``flwr run``
+reaches it: this project's Flower App (``p2pfl/centralized/app.py``, whose ServerApp calls
+``serve_baseline``) submitted with ``flwr run`` to a SuperLink started for the run
+(``p2pfl.centralized.superlink``), not the deprecated ``flwr.simulation.run_simulation``. Where
 Ray is not installed, an in-process loop delivers the same messages to the same ClientApp and
 aggregates with the same strategy object (its ``aggregate_*`` methods need no runtime); the
-run folder's ``summary.json`` says which ran (``runtime``). No Flower private state is written:
-instruction messages of the in-process loop are built with Flower's public ``Metadata``.
+run folder's ``summary.json`` says which ran (``runtime``: ``flwr-run`` or ``in-process``). No
+Flower private state is written: instruction messages of the in-process loop are built with
+Flower's public ``Metadata``.
 
 Per-peer metrics: the strategy (``RecordingFedAvg``) sees every reply before it aggregates; the
 ClientApp tags its replies with its peer id (a ``ConfigRecord``, which FedAvg ignores). Replies
@@ -56,7 +60,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from p2pfl.algorithms import Algorithm, PeerState, TrainContext
@@ -521,74 +525,6 @@ class RecordingFedAvg(FedAvg):
         return super().aggregate_evaluate(server_round + self.offset, replies)
 
 
-class StoppableGrid(Grid):
-    """A Grid whose ``send_and_receive`` gives up as soon as ``stop`` is set.
-
-    Why: ``flwr.simulation.run_simulation`` runs the ServerApp in a non-daemon thread and, when its
-    runtime fails (e.g. Ray's raylet not registering in time on a loaded machine), returns with an
-    error but leaves that thread waiting for replies that never come, up to the strategy's timeout
-    (3600 s): the process then cannot exit. ``run_baseline`` sets ``stop`` when the runtime returns,
-    so the thread ends within one poll, whether it waits for nodes to connect or for replies.
-    Everything else is the wrapped grid's.
-    """
-
-    def __init__(self, grid: Grid, stop: threading.Event, poll_s: float = 0.1) -> None:
-        self._grid, self._stop, self._poll_s = grid, stop, poll_s
-
-    def set_run(self, run: Any) -> None:
-        self._grid.set_run(run)
-
-    @property
-    def run(self) -> Any:
-        return self._grid.run
-
-    def create_message(self, *args: Any, **kwargs: Any) -> Message:
-        return self._grid.create_message(*args, **kwargs)
-
-    def get_node_ids(self) -> Iterable[int]:
-        # flwr's node sampling calls this in a loop until enough nodes have connected
-        self._raise_if_stopped("before the nodes connected")
-        return self._grid.get_node_ids()
-
-    def _raise_if_stopped(self, when: str) -> None:
-        if self._stop.is_set():
-            raise FlowerPeerError(f"the simulation runtime stopped {when}")
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self._grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self._grid.pull_messages(message_ids)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        waiting = set(self.push_messages(messages))
-        end = None if timeout is None else time.monotonic() + timeout
-        replies: list[Message] = []
-        while waiting:
-            self._raise_if_stopped(f"with {len(waiting)} replies outstanding")
-            got = list(self.pull_messages(waiting))
-            replies.extend(got)
-            waiting.difference_update(m.metadata.reply_to_message_id for m in got)
-            if not waiting or (end is not None and time.monotonic() >= end):
-                break
-            self._stop.wait(self._poll_s)
-        return replies
-
-
-def make_server_app(strategy: FedAvg, initial: ArrayRecord, rounds: int,
-                    stop: threading.Event | None = None) -> ServerApp:
-    """A ServerApp whose main runs ``strategy`` from ``initial`` for ``rounds`` rounds (until ``stop``)."""
-    app = ServerApp()
-
-    @app.main()
-    def main(grid: Grid, context: Context) -> None:
-        if stop is not None:
-            grid = StoppableGrid(grid, stop)
-        strategy.start(grid, initial, num_rounds=rounds, train_config=ConfigRecord({"num-rounds": rounds}))
-
-    return app
-
-
 def run_in_process(client_app: ClientApp, strategy: RecordingFedAvg, peer_ids: list[str],
                    initial: ArrayRecord, rounds: int, *, run_id: int = 1) -> None:
     """The same rounds without a Flower runtime (Ray missing): deliver, then aggregate with ``strategy``.
@@ -627,20 +563,22 @@ def ray_available() -> bool:
     return importlib.util.find_spec("ray") is not None
 
 
+RUNTIMES = ("auto", "ray", "in-process")
+
+
 def run_baseline(cfg: ExperimentConfig, out_dir: str | Path, baseline: str = "fedper", *,
                  runtime: str = "auto", experiment: Experiment | None = None, verbose: bool = False,
                  ray_cpus: int | None = None, resume: bool = False) -> dict[str, Any]:
     """Run ``baseline`` on ``cfg``'s peers; write the run folder (same format as ``p2pfl simulate``).
 
-    ``runtime``: ``ray`` (Flower's simulation runtime), ``in-process``, or ``auto`` (Ray when it
-    is installed). ``summary.json`` records the one that ran. ``resume``: continue an interrupted
-    run in ``out_dir`` from the last round the server and every node checkpointed (module doc);
-    from round 0 when there is none.
+    ``runtime``: ``ray`` (Flower's Simulation Runtime behind ``flwr run``, module doc), ``in-process``,
+    or ``auto`` (Ray when it is installed). ``summary.json`` records the one that ran. ``resume``:
+    continue an interrupted run in ``out_dir`` from the last round the server and every node
+    checkpointed (module doc); from round 0 when there is none.
     """
-    if runtime not in ("auto", "ray", "in-process"):
-        raise BadInput(f"unknown runtime {shorten(repr(runtime))}", source="--runtime",
-                       allowed=("auto", "ray", "in-process"))
-    b = baseline_of(baseline, cfg.algorithm_name)
+    if runtime not in RUNTIMES:
+        raise BadInput(f"unknown runtime {shorten(repr(runtime))}", source="--runtime", allowed=RUNTIMES)
+    baseline_of(baseline, cfg.algorithm_name)
     if runtime == "auto":
         runtime = "ray" if ray_available() else "in-process"
     if runtime == "ray" and not ray_available():
@@ -649,48 +587,88 @@ def run_baseline(cfg: ExperimentConfig, out_dir: str | Path, baseline: str = "fe
     exp = experiment or Experiment.from_config(cfg)
     ids = list(exp.topology.ids)
     start = prepare_resume(run_dir, [*ids, SERVER], before=cfg.rounds) if resume else 0
-    run = RunFolder.start(run_dir, cfg, exp.topology, exp.partition, f"flower-{baseline}", append=start > 0)
+    if runtime == "ray":
+        return run_with_flwr(cfg, run_dir, baseline, start=start, num_supernodes=len(ids),
+                             num_cpus=ray_cpus or max(1, min(len(ids), _cpus())), verbose=verbose)
+    flwr_logger = logging.getLogger("flwr")
+    saved_level, saved_threads = flwr_logger.level, torch.get_num_threads()
+    if not verbose:
+        flwr_logger.setLevel(logging.WARNING)
     raw = portable_config(cfg)
     experiment_for(raw, exp)  # this process's peers reuse the experiment already built
     client_app = make_client_app(raw, baseline, str(run_dir.resolve()), start)
+    try:
+        return serve_baseline(
+            lambda strategy, initial, rounds: run_in_process(client_app, strategy, ids, initial, rounds),
+            cfg, run_dir, baseline, runtime="in-process", start=start, experiment=exp)
+    finally:
+        torch.set_num_threads(saved_threads)
+        flwr_logger.setLevel(saved_level)
+
+
+#: drives the rounds: (the strategy, the global model it starts from, the number of rounds to run)
+Rounds = Callable[[RecordingFedAvg, ArrayRecord, int], None]
+
+
+def on_grid(grid: Grid) -> Rounds:
+    """Rounds driven by ``strategy.start`` on a Flower ``Grid`` (a ServerApp's main under ``flwr run``)."""
+    def drive(strategy: RecordingFedAvg, initial: ArrayRecord, rounds: int) -> None:
+        strategy.start(grid, initial, num_rounds=rounds, train_config=ConfigRecord({"num-rounds": rounds}))
+
+    return drive
+
+
+def serve_baseline(rounds: Rounds, cfg: ExperimentConfig, run_dir: Path, baseline: str, *, runtime: str,
+                   start: int = 0, experiment: Experiment | None = None) -> dict[str, Any]:
+    """The server's side of a baseline, whatever runtime carries its messages: open the run folder
+    (appended to from round ``start`` on a resume), run the rounds with ``RecordingFedAvg``
+    (checkpointing the global model), then write the summary and drop the resume state.
+
+    One definition for both runtimes: ``run_baseline``'s in-process loop and the Flower App's
+    ServerApp (``p2pfl/centralized/app.py``, which ``flwr run`` runs) both call it.
+    """
+    b = baseline_of(baseline, cfg.algorithm_name)
+    exp = experiment or Experiment.from_config(cfg)
+    ids = list(exp.topology.ids)
+    run = RunFolder.start(run_dir, cfg, exp.topology, exp.partition, f"flower-{baseline}", append=start > 0)
     # a config's own ClientApp keeps its state where no checkpoint reaches (module doc): no server part either
     checkpoint = server_checkpoint(exp, b.scope, run_dir) if exp.app_spec is None else None
     strategy = RecordingFedAvg(ids, run.record, offset=start, checkpoint=checkpoint)
     initial = initial_arrays(exp, b.scope) if start == 0 else resumed_arrays(exp, b.scope, run_dir, start)
-    flwr_logger = logging.getLogger("flwr")
-    saved_level = flwr_logger.level
-    if not verbose:
-        flwr_logger.setLevel(logging.WARNING)
     try:
-        if runtime == "ray":
-            from flwr.simulation import run_simulation
-
-            cpus = ray_cpus or max(1, min(len(ids), _cpus()))
-            stop = threading.Event()
-            try:
-                run_simulation(server_app=make_server_app(strategy, initial, cfg.rounds - start, stop),
-                               client_app=client_app, num_supernodes=len(ids),
-                               backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                               "init_args": {"num_cpus": cpus, "include_dashboard": False}},
-                               verbose_logging=verbose)
-            finally:
-                stop.set()  # a ServerApp thread the runtime left waiting ends now (StoppableGrid)
-        else:
-            saved_threads = torch.get_num_threads()
-            try:
-                run_in_process(client_app, strategy, ids, initial, cfg.rounds - start)
-            finally:
-                torch.set_num_threads(saved_threads)
+        rounds(strategy, initial, cfg.rounds - start)
     finally:
         run.close()
-        flwr_logger.setLevel(saved_level)
-    summary = finish_run_folder(run, ids, baseline, "flwr-simulation-ray" if runtime == "ray" else "in-process",
-                                start)
+    summary = finish_run_folder(run, ids, baseline, runtime, start)
     # A node's checkpoint is resume state, not a final model (a resumed run's put-back files are
     # of an earlier round): a finished baseline keeps none, so nothing reads them as final models.
     drop_generations(run_dir)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return summary
+
+
+def run_with_flwr(cfg: ExperimentConfig, run_dir: Path, baseline: str, *, start: int, num_supernodes: int,
+                  num_cpus: int, verbose: bool = False) -> dict[str, Any]:
+    """The baseline as this project's Flower App under ``flwr run`` (module doc), on a SuperLink of its own.
+
+    The resolved config (``--set`` and ``--rounds`` applied, paths absolute) goes to the app as a
+    file; the ServerApp writes the run folder and its ``summary.json``, read back here.
+    """
+    from p2pfl.centralized.superlink import APP_ROOT, FlowerRunError, LocalSuperLink
+
+    if not (APP_ROOT / "pyproject.toml").exists():
+        raise FlowerRunError(f"runtime ray runs the Flower App of {APP_ROOT}, which has no pyproject.toml "
+                             "(an installed copy of p2pfl): use --runtime in-process")
+    run_dir = run_dir.resolve()
+    with LocalSuperLink(verbose=verbose) as link:
+        config_path = link.home / "config.yaml"
+        config_path.write_text(json.dumps(portable_config(cfg)))  # JSON is YAML
+        (run_dir / "summary.json").unlink(missing_ok=True)  # the run's own summary is the proof it finished
+        link.flwr_run(APP_ROOT, {"config": str(config_path), "baseline": baseline, "out": str(run_dir),
+                                 "resume-at": start},
+                      {"num-supernodes": num_supernodes, "client-resources-num-cpus": 1,
+                       "init-args-num-cpus": num_cpus})
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 def server_checkpoint(exp: Experiment, scope: str, run_dir: Path) -> Callable[[int, ArrayRecord], None] | None:

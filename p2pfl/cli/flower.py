@@ -19,7 +19,8 @@ def flower_command(config: ConfigOpt, rounds: Annotated[int | None, typer.Option
                             "ditto (global model averaged; each node's personal model evaluated) | "
                             "fedrod (body + generic head averaged; generic + personal head evaluated)")] = "fedper",
                    runtime: Annotated[str, typer.Option(
-                       help="auto (Ray when installed) | ray (flwr.simulation.run_simulation) | in-process")] = "auto",
+                       help="auto (Ray when installed) | ray (Flower's Simulation Runtime: this project's Flower App "
+                            "under `flwr run`, on a SuperLink started for the run) | in-process")] = "auto",
                    resume: Annotated[bool, typer.Option("--resume", help="continue an interrupted run in --out from "
                                                         "the last round the server and every node checkpointed")] = False,
                    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no summary table")] = False,

@@ -344,7 +344,9 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{summary.get('name')} / {summary.get('algorithm')}: personalized accuracy")
+    # a Flower baseline is named by its baseline (its algorithm is only the local rule), a P2P run by its algorithm
+    method = f"{summary['baseline']} (centralized)" if summary.get("baseline") else summary.get("algorithm")
+    table = Table(title=f"{summary.get('name')} / {method}: personalized accuracy")
     for col in ("rounds", "peers", "mean", "min", "max", "s/round", "MB sent/peer"):
         table.add_column(col, justify="right")
 

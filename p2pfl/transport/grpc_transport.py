@@ -7,10 +7,14 @@ payload to every out-neighbour in parallel and wait on the own inbox. A neighbou
 unreachable, too late, rejected by validation — lands in ``missing`` with its reason logged; one bad
 neighbour never raises. What arrives is the same `Message` the sender built, bitwise.
 
-Byte accounting is counted, not estimated: ``bytes_recv`` is the wire bytes this exchange read
-(including payloads that were then rejected), ``bytes_sent`` the wire bytes this peer served to
-pullers, or pushes that completed, since the previous exchange returned (a neighbour that pulls
-late is counted in the next exchange, so the total over a run is exact).
+Byte accounting (docs/protocol.md, "Bytes"), the simulation's: ``bytes_recv`` is the wire bytes
+this exchange read (including payloads that were then rejected); ``bytes_sent`` in pull mode is
+the encoded payload's wire bytes once per out-neighbour of the plan, attributed to the round that
+published it (the simulation's ``MemoryTransport`` counts the same), in push mode the pushes that
+completed in this exchange. Counting what the server streamed instead put a neighbour's late pull
+into the serving peer's next round, and a pull after its last round in no record at all. The
+asynchronous mode (no round barrier: a neighbour pulls whichever round is newest, or none) still
+reports the bytes served since the previous exchange.
 """
 
 from __future__ import annotations
@@ -320,7 +324,7 @@ class GrpcTransport(Transport):
             raise ValueError(f"plan mode {plan.mode!r} differs from the server's mode {self.server.mode!r}")
 
     def _exchange_pull(self, message: Message, plan: MixingPlan, deadline: float) -> ExchangeResult:
-        self.server.publish(message)
+        payload = self.server.publish(message)
         self._last_published = ((message.round, message.step), frozenset(plan.out_weights))
         senders = list(plan.in_weights)
         jobs = {j: self._pool.submit(self._pull_checked, j, message.round, message.step, deadline) for j in senders}
@@ -336,7 +340,9 @@ class GrpcTransport(Transport):
                             self.peer_id, message.round, message.step, j, why)
             else:
                 received[j] = msg
-        return ExchangeResult(received=received, missing=missing, bytes_sent=self._take_sent(), bytes_recv=recv)
+        # This round's payload, once per reader it is published for (module doc: "Byte accounting")
+        sent = payload.wire_bytes * len(plan.out_weights)
+        return ExchangeResult(received=received, missing=missing, bytes_sent=sent, bytes_recv=recv)
 
     def _take_sent(self) -> int:
         served = self.server.served_bytes
