@@ -31,6 +31,7 @@ data: $(STAMP)
 
 demo: data
 	$(BIN)/p2pfl compare --config peers/demo.yaml --algorithms local,dfedavg,dfedmdc:dfedmdc-demo --out runs/demo
+	$(BIN)/p2pfl simulate --config peers/flower_app.yaml --out runs/demo/flower-app
 
 # docker-compose validates the generated compose files in tests/test_compose.py: installed with apt when
 # it is missing and apt is available as root (a fresh CI machine), so those tests run instead of skipping.

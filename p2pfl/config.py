@@ -27,7 +27,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 from p2pfl.badinput import BadInput, shorten, suggest
 from p2pfl.schema import ConfigError, from_validation_error, yaml_number
@@ -165,7 +174,9 @@ class ConfigFile(Section):
 class SharingConfig(Section):
     """What of a ClientApp's state never leaves the peer (everything else is gossiped; p2pfl/flower/appstate.py)."""
 
-    personal: list[str] = Field(default_factory=list)  # state-dict key prefixes
+    # State-dict key prefixes (strings), or positions in the app's state order (integers; negative
+    # from the end), for a legacy app whose model is an unnamed list (NumPyClient.get_parameters).
+    personal: list[StrictStr | StrictInt] = Field(default_factory=list)
     # BatchNorm-style running statistics: averaged like any shared float (as Flower's FedAvg does) or
     # kept by each peer (FedBN's choice). Integer buffers (num_batches_tracked) are never mixed.
     running_stats: Literal["shared", "personal"] = "shared"

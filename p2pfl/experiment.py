@@ -133,7 +133,7 @@ class Experiment:
 
         spec = self.app_spec
         assert spec is not None
-        start = app_start(spec, self.cfg.seed, len(self.topology.ids))
+        start = app_start(spec, self.cfg.seed, len(self.topology.ids), self.topology.ids[0])
         state, flat = app_layout(start.state, spec.personal, spec.running_stats)  # type: ignore[arg-type]
         return state, flat, start
 

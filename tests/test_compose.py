@@ -461,3 +461,28 @@ def test_clientapp_whose_package_cannot_be_found_is_refused(tmp_path: Path) -> N
     with pytest.raises(ComposeError, match="cannot find 'nosuchpkg_x'"):
         render_compose(cfg, out=tmp_path / "d" / "docker-compose.yml", network="host")
     assert not (tmp_path / "d").exists()
+
+
+def test_a_flower_app_directory_is_mounted_and_named_for_the_containers(tmp_path: Path) -> None:
+    """`app:` naming a Flower App directory: the directory is mounted read-only at one container path and
+    every container is told `--set app=` that path (a host path given with --set is not passed on); the app's
+    own package (here app_init's) is imported from the directory, not mounted again on the PYTHONPATH."""
+    from p2pfl.topology import generate
+
+    app = REPO / "tests" / "apps" / "flower_legacy_app"
+    generate("ring", 3).dump(tmp_path / "topology.yaml")
+    cfg = tmp_path / "app.yaml"
+    cfg.write_text(yaml.safe_dump({"name": "appdir", "rounds": 2, "topology": "topology.yaml",
+                                   "app": os.path.relpath(app, tmp_path), "app_init": "flower_legacy_app.task:Net"}))
+    out = tmp_path / "deploy" / "docker-compose.yml"
+    doc = yaml.safe_load(render_compose(cfg, out=out, sets=[f"app={app}", "rounds=3"]).text)
+    services = doc["services"]
+    assert len(services) == 3 and {svc["image"] for svc in services.values()} == {"p2pfl:cpu-flower"}
+    assert [svc["build"]["args"] for svc in services.values() if "build" in svc] == [{"FLOWER": "1"}]
+    for svc in services.values():
+        mounts = _bind_sources(svc, out.parent)
+        assert mounts["/p2pfl/flower-app"] == app.resolve()
+        assert next(v for v in svc["volumes"] if v.split(":")[1] == "/p2pfl/flower-app").endswith(":ro")
+        assert not any(t.startswith("/p2pfl/app/") for t in mounts)  # flower_legacy_app is the directory's
+        sets = [svc["command"][i + 1] for i, a in enumerate(svc["command"]) if a == "--set"]
+        assert [s for s in sets if s.startswith("app=")] == ["app=/p2pfl/flower-app"] and "rounds=3" in sets

@@ -273,12 +273,12 @@ def test_capture_takes_the_strategys_own_round1_content_and_survives_except_exce
     assert list(round_content(got.train, ArrayRecord({"w": torch.zeros(3)}), 2)) == ["model", "cfg"]
 
 
-def _legacy_client_fn(context: Any) -> Any:  # never called: the app is refused before any peer starts
+def _legacy_client_fn(context: Any) -> Any:  # never called: app_init gives the model, no round runs
     raise AssertionError
 
 
 def _legacy_server_fn(context: Any) -> Any:
-    raise AssertionError
+    raise KeyError("num-server-rounds")
 
 
 def _apps() -> tuple[Any, Any]:
@@ -291,16 +291,27 @@ def _apps() -> tuple[Any, Any]:
 LEGACY_CLIENT, LEGACY_SERVER = _apps()
 
 
-def test_legacy_apps_are_refused_in_one_line_before_anything_starts(tmp_path: Path) -> None:
+def test_legacy_apps_are_taken_and_a_failing_server_fn_is_one_line(tmp_path: Path) -> None:
+    """Legacy apps run (tests/test_flower_legacy.py); a server_fn that fails is named by its pyproject key."""
     from p2pfl.flower.clientapp import AppSpec, app_start
 
-    with pytest.raises(BadInput, match=r"^app: a ClientApp built from client_fn .* not supported yet"):
-        app_start(AppSpec(app="tests.test_flower_appdir:LEGACY_CLIENT", init="flower_bn_app.task:Net"), 0, 3)
     importable_spec = AppSpec.from_raw({"app": str(APP)})  # puts the app's folder on sys.path
+    start = app_start(AppSpec(app="tests.test_flower_appdir:LEGACY_CLIENT", init="flower_bn_app.task:Net"), 0, 3)
+    assert start.legacy_client and start.legacy_server is None
     legacy_server = AppSpec(app=importable_spec.app, init="", server="tests.test_flower_appdir:LEGACY_SERVER",
                             root=importable_spec.root, source=importable_spec.source)
-    with pytest.raises(BadInput, match=r"pyproject.toml: tool.flwr.app.components.serverapp: a ServerApp built "
-                                       r"from server_fn .* name it with app_init"):
+    with pytest.raises(BadInput, match=r"pyproject.toml: tool.flwr.app.components.serverapp: the ServerApp's "
+                                       r"server_fn failed: KeyError: 'num-server-rounds'"):
         app_start(legacy_server, 0, 3)
-    start = app_start(AppSpec(**{**legacy_server.__dict__, "init": "flower_bn_app.task:Net"}), 0, 3)
-    assert dict(start.train["config"]) == {"server-round": 1}  # no ServerApp round to read: the default
+
+
+def test_the_repos_flower_app_config_names_only_the_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """peers/flower_app.yaml (what `make demo` runs after the comparison): the directory, a topology and
+    the personal head; the model and the train config come from its ServerApp (no data is read here)."""
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    raw = yaml.safe_load((repo / "peers" / "flower_app.yaml").read_text())
+    assert raw["app"] == "peers/flower_app" and not {"app_init", "app_config", "app_train_config"} & set(raw)
+    exp = Experiment.from_config(load_config(repo / "peers" / "flower_app.yaml"))
+    assert exp.layout.personal_names == ("fc2.weight", "fc2.bias")
+    assert round_content(exp._app[2].train, ArrayRecord(), 1)["config"]["lr"] == 0.05

@@ -43,7 +43,9 @@ class _Group(TyperGroup):
 
 
 app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Peer-to-peer personalized federated learning: simulate, run peers, deploy.")
+                  help="Peer-to-peer personalized federated learning: simulate, run peers, deploy. A peer runs "
+                       "a built-in algorithm, or your own Flower App or ClientApp (Message API or NumPyClient): "
+                       "name it in the config, app: path/to/your-flower-app (docs/flower.md).")
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="experiment config YAML")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override a config value: dotted.key=VALUE (repeatable)")]

@@ -110,6 +110,7 @@ IN_CERTS = "/p2pfl/certs"
 IN_DATA = "/p2pfl/data"
 IN_RUN = "/p2pfl/run"
 IN_APP = "/p2pfl/app"  # a ClientApp config's packages, on the container's PYTHONPATH
+IN_APP_DIR = "/p2pfl/flower-app"  # a Flower App directory named by app: (the containers' app:)
 #: The image variant with Flower, for configs that run a user's ClientApp (docker/Dockerfile's FLOWER=1).
 FLOWER_BUILD_ARGS = {"FLOWER": "1"}
 FLOWER_SUFFIX = "-flower"
@@ -298,12 +299,17 @@ def app_packages(cfg: ExperimentConfig) -> dict[str, Path]:
     """
     import importlib.util
 
-    refs = [str(cfg.raw[k]) for k in ("app", "app_init") if cfg.raw.get(k)]
+    from p2pfl.appdir import is_object_ref
+
+    refs = [str(cfg.raw[k]) for k in ("app", "app_init") if cfg.raw.get(k) and is_object_ref(str(cfg.raw[k]))]
+    root = app_directory(cfg)
     out: dict[str, Path] = {}
     for ref in refs:
         top = ref.partition(":")[0].split(".")[0]
         if top in out or top == "p2pfl":  # p2pfl's own modules are in the image
             continue
+        if root is not None and ((root / top).is_dir() or (root / f"{top}.py").is_file()):
+            continue  # the app directory's own package: mounted with it (IN_APP_DIR), imported from there
         try:
             spec = importlib.util.find_spec(top)
         except (ImportError, ValueError):
@@ -316,6 +322,19 @@ def app_packages(cfg: ExperimentConfig) -> dict[str, Path]:
         else:
             out[top] = Path(str(spec.origin))
     return out
+
+
+def app_directory(cfg: ExperimentConfig) -> Path | None:
+    """The Flower App directory a config's ``app:`` names (None for ``package.module:attr`` or no app).
+
+    Compose mounts it read-only at ``IN_APP_DIR`` and tells the containers ``--set app=IN_APP_DIR``:
+    the config's own path means nothing inside a container, and the directory is imported from
+    wherever it is (``p2pfl.appdir``), so it needs no place on the PYTHONPATH.
+    """
+    from p2pfl.appdir import is_object_ref
+
+    ref = str(cfg.raw.get("app") or "")
+    return Path(ref).resolve() if ref and not is_object_ref(ref) else None
 
 
 def default_context() -> Path | None:
@@ -403,16 +422,21 @@ def render_compose(
     address_book = base / f"{out.stem}.addresses.yaml" if rewritten else None
     host_topology = topo_file
     apps = app_packages(cfg)
-    default_image = (DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE) + (FLOWER_SUFFIX if apps else "")
+    app_dir = app_directory(cfg)
+    flower = bool(apps) or app_dir is not None
+    default_image = (DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE) + (FLOWER_SUFFIX if flower else "")
     image = image or default_image
     ctx = context if context is not None else default_context()
 
     # The containers see the config's own overrides, then the in-container topology path (last: it wins).
     args: list[str] = []
+    ours = ("topology", "network.addresses") + (("app",) if app_dir is not None else ())
     for item in sets:
-        if _override_key(item) not in ("topology", "network.addresses"):
+        if _override_key(item) not in ours:
             args += ["--set", _esc(item)]
     args += ["--set", f"topology={IN_TOPOLOGY}"]
+    if app_dir is not None:
+        args += ["--set", f"app={IN_APP_DIR}"]
     if address_book is not None:
         args += ["--set", f"network.addresses={IN_ADDRESSES}"]
 
@@ -427,12 +451,14 @@ def render_compose(
     for top, path in apps.items():
         name = top if path.is_dir() else f"{top}.py"
         common_volumes.append(f"{_esc(_rel(path, base))}:{IN_APP}/{name}:ro")
+    if app_dir is not None:
+        common_volumes.append(f"{_esc(_rel(app_dir, base))}:{IN_APP_DIR}:ro")
     build: dict[str, Any] | None = None
     if ctx is not None:
         build = {"context": _esc(_rel(ctx, base)), "dockerfile": DOCKERFILE}
         if network == "host":
             build["network"] = "host"
-        args_: dict[str, str] = {**(CUDA_BUILD_ARGS if gpus else {}), **(FLOWER_BUILD_ARGS if apps else {})}
+        args_: dict[str, str] = {**(CUDA_BUILD_ARGS if gpus else {}), **(FLOWER_BUILD_ARGS if flower else {})}
         if args_:
             build["args"] = args_
     services: dict[str, dict[str, Any]] = {}

@@ -6,7 +6,7 @@ buffers), its ``num_batches_tracked`` counter (int64, 0-dim), any integer or boo
 entry lands in one of three places:
 
 * **shared** float entries: the gossiped prefix of the peer's flat ``[shared | personal]`` buffer;
-* **personal** float entries (a ``sharing.personal`` prefix, or a running statistic under
+* **personal** float entries (a ``sharing.personal`` prefix or index, or a running statistic under
   ``sharing.running_stats: personal``): the flat buffer's personal part, checkpointed, never sent;
 * **held** entries, the ones that cannot be averaged (integer, boolean, complex): never mixed,
   whatever ``sharing`` says; each peer keeps its own copy in ``PeerState.extra`` (so checkpoints
@@ -27,7 +27,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord
+from flwr.app import Array, ArrayRecord
 
 from p2pfl.badinput import BadInput
 from p2pfl.flower.records import array_record, load_arrays, tensor_of
@@ -82,6 +82,18 @@ class AppLayout:
         """The ``"arrays"`` record an app gets: every entry, each in its own dtype."""
         return array_record(self.tensors(mixed, extra), self.dtypes)
 
+    def arrays(self, mixed: Mapping[str, torch.Tensor], extra: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
+        """The app's whole state as the unnamed list a legacy app (NumPyClient) gets: ``order``, own dtypes."""
+        return [t.detach().cpu().to(self.dtypes[k]).contiguous().numpy() for k, t in self.tensors(mixed, extra).items()]
+
+    def load_arrays(self, arrays: Sequence[np.ndarray], flat: torch.Tensor, extra: MutableMapping[str, torch.Tensor],
+                    what: str) -> None:
+        """``load`` for a legacy app's reply: the list is named by position (``order``), then checked as a record."""
+        if len(arrays) != len(self.order):
+            raise ValueError(f"{what} holds {len(arrays)} arrays, expected {len(self.order)} (the initial model's)")
+        self.load(ArrayRecord({k: Array(np.asarray(a)) for k, a in zip(self.order, arrays, strict=True)}), flat,
+                  extra, what)
+
     def load(self, record: ArrayRecord, flat: torch.Tensor, extra: MutableMapping[str, torch.Tensor],
              what: str) -> None:
         """Copy an app's reply into the peer's flat buffer and held entries; all checked before any is written.
@@ -116,18 +128,30 @@ def _kind(dtype: torch.dtype) -> str:
     return "float" if dtype.is_floating_point else "int"
 
 
-def app_layout(state: Mapping[str, torch.Tensor], personal: Sequence[str],
+def app_layout(state: Mapping[str, torch.Tensor], personal: Sequence[str | int],
                running_stats: RunningStats = "shared") -> tuple[AppLayout, torch.Tensor]:
     """Split an app's initial state: the layout (shared keys first, each part in state order) and the flat buffer.
 
-    A float entry is personal when it starts with a ``sharing.personal`` prefix, or is a running
+    A float entry is personal when it starts with a ``sharing.personal`` prefix (a string), sits at a
+    ``sharing.personal`` index (an integer: its position in the state's order, which is the order of
+    the list a NumPyClient's ``get_parameters`` returns; negative counts from the end), or is a running
     statistic under ``running_stats="personal"``; a non-float entry is held (module docstring).
     """
+    names = list(state)
+    prefixes: list[str] = []
+    exact: set[str] = set()
     for p in personal:
-        if not any(k.startswith(p) for k in state):
+        if isinstance(p, int) and not isinstance(p, bool):
+            if not -len(names) <= p < len(names):
+                raise AppStateError(f"index {p} is out of range: the app's state has {len(names)} arrays "
+                                    f"(0..{len(names) - 1}, or -{len(names)}..-1 from the end)", key="sharing.personal")
+            exact.add(names[p])
+        elif not any(k.startswith(p) for k in state):
             raise AppStateError(f"prefix {p!r} matches no key of the app's state "
-                                f"({', '.join(list(state)[:8])}{', ...' if len(state) > 8 else ''})",
+                                f"({', '.join(names[:8])}{', ...' if len(names) > 8 else ''})",
                                 key="sharing.personal")
+        else:
+            prefixes.append(p)
     if running_stats not in RUNNING_STATS:
         raise AppStateError(f"not an allowed value: {running_stats!r}", key="sharing.running_stats",
                             allowed=RUNNING_STATS)
@@ -142,7 +166,8 @@ def app_layout(state: Mapping[str, torch.Tensor], personal: Sequence[str],
     held = {k: v.detach().cpu().clone() for k, v in state.items() if not mixable(v)}
 
     def is_personal(k: str) -> bool:
-        return any(k.startswith(p) for p in personal) or (running_stats == "personal" and is_running_stat(k))
+        return k in exact or any(k.startswith(p) for p in prefixes) or (running_stats == "personal"
+                                                                        and is_running_stat(k))
 
     shared = [k for k in mixed if not is_personal(k)]
     own = [k for k in mixed if is_personal(k)]

@@ -11,6 +11,10 @@ contents, and stops the ServerApp before anything else happens. No round runs, n
 touched, no ``evaluate_fn`` is called, and a ServerApp that sends messages itself (no strategy) is
 caught at its first ``send_and_receive`` / ``push_messages``.
 
+A legacy ServerApp (``ServerApp(server_fn=...)``) has no ``main`` to run: its ``server_fn`` is
+called for the strategy, which is asked for its ``initial_parameters`` and, each round, for the
+config its ``configure_fit`` / ``configure_evaluate`` would send (``LegacyServer``).
+
 Side effects are contained: the initial model is built under ``torch.manual_seed(seed)`` with the
 caller's torch, numpy and ``random`` states restored afterwards (Flower's strategies sample nodes
 with ``random``), Flower's process identity (``TaskIdentity``) is put back, and Flower's INFO logs
@@ -30,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.server.client_manager import ClientManager, SimpleClientManager
+from flwr.server.client_proxy import ClientProxy
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore.run import Run
@@ -146,6 +152,108 @@ def capture_server_start(app: ServerApp, run_config: dict[str, Any], *, run_id: 
         recs = list(content.array_records.values())
         return ServerStart(recs[0] if len(recs) == 1 else None, train, None)
     return ServerStart(found.get("arrays"), found.get("train"), found.get("evaluate"))
+
+
+# -- a legacy ServerApp (server_fn / ServerAppComponents, flwr.server.strategy) ------------------------
+class _Proxy(ClientProxy):
+    """A client the legacy strategy can sample; it is never asked anything (configure_* only picks it)."""
+
+    def get_properties(self, ins: Any, timeout: float | None, group_id: int | None) -> Any:
+        raise _Stop
+
+    get_parameters = fit = evaluate = reconnect = get_properties
+
+
+class _Clients(SimpleClientManager):
+    """``num`` registered clients; ``wait_for`` never blocks (a strategy wanting more gets an empty sample)."""
+
+    def __init__(self, num: int) -> None:
+        super().__init__()
+        for i in range(num):
+            self.register(_Proxy(str(i)))
+
+    def wait_for(self, num_clients: int, timeout: int = 0) -> bool:
+        return len(self.clients) >= num_clients
+
+
+@dataclass
+class LegacyServer:
+    """A legacy ServerApp's strategy, asked what it would send in any round without running one.
+
+    ``initial``: the strategy's ``initialize_parameters`` (its ``initial_parameters``), decoded, or
+    None (Flower's server would then ask one client's ``get_parameters``). ``config(type, round)``:
+    the config of the FitIns / EvaluateIns the strategy's ``configure_fit`` / ``configure_evaluate``
+    builds for that round (so ``on_fit_config_fn(round)`` and a strategy's own keys, e.g. FedProx's
+    ``proximal_mu``), asked per round because ``on_fit_config_fn`` may depend on it.
+    """
+
+    strategy: Any
+    initial: list[np.ndarray] | None
+    clients: ClientManager
+    seed: int
+
+    def config(self, message_type: str, server_round: int) -> dict[str, Any]:
+        from flwr.common import Parameters
+
+        train = message_type == MessageType.TRAIN
+        configure = self.strategy.configure_fit if train else self.strategy.configure_evaluate
+        with _lock, _rng_kept(self.seed + server_round):
+            pairs = configure(server_round, Parameters(tensors=[], tensor_type=""), self.clients)
+            if pairs:
+                return dict(pairs[0][1].config)
+            # Sampling no one (fraction_evaluate=0): its config function still says what it would send.
+            fn = getattr(self.strategy, "on_fit_config_fn" if train else "on_evaluate_config_fn", None)
+            return dict(fn(server_round)) if callable(fn) else {}
+
+
+def capture_legacy_server(app: ServerApp, run_config: dict[str, Any], *, run_id: int, seed: int,
+                          num_nodes: int) -> LegacyServer:
+    """Build a legacy ServerApp's strategy (``server_fn(context)``, or the deprecated constructor arguments).
+
+    No server loop runs: the strategy is only asked for its initial parameters here and for each
+    round's config later (``LegacyServer``). Without a strategy Flower's server uses ``FedAvg()``; so
+    does this. Exceptions of ``server_fn`` propagate (the caller names the component).
+    """
+    from flwr.common import parameters_to_ndarrays
+    from flwr.server.strategy import FedAvg
+
+    context = Context(run_id=run_id, node_id=SERVER_NODE_ID, node_config={}, state=RecordDict(),
+                      run_config=dict(run_config))
+    with _lock, _contained(seed, run_id):
+        server_fn = getattr(app, "_server_fn", None)
+        if server_fn is not None:
+            components = server_fn(context)
+            strategy, server = getattr(components, "strategy", None), getattr(components, "server", None)
+        else:
+            strategy, server = getattr(app, "_strategy", None), getattr(app, "_server", None)
+        if strategy is None and server is not None:
+            strategy = getattr(server, "strategy", None)
+        strategy = strategy if strategy is not None else FedAvg()
+        need = [getattr(strategy, k, 0) for k in ("min_available_clients", "min_fit_clients", "min_evaluate_clients")]
+        clients = _Clients(max([num_nodes, *[n for n in need if isinstance(n, int)]]))
+        params = strategy.initialize_parameters(client_manager=clients)
+        initial = parameters_to_ndarrays(params) if params is not None and params.tensors else None
+    return LegacyServer(strategy, initial, clients, seed)
+
+
+def is_legacy_server(app: ServerApp) -> bool:
+    """A ServerApp without ``@app.main()``: Flower runs its legacy server loop with a strategy."""
+    return getattr(app, "_main", None) is None
+
+
+@contextmanager
+def _rng_kept(seed: int) -> Iterator[None]:
+    """``random`` seeded for a strategy's sampling and the caller's state put back (peers' own RNG use is theirs)."""
+    state = random.getstate()
+    log = logging.getLogger("flwr")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        random.seed(seed)
+        yield
+    finally:
+        random.setstate(state)
+        log.setLevel(level)
 
 
 @contextmanager

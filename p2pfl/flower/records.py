@@ -2,7 +2,9 @@
 
 Everything that arrives in a record is checked before it is used (names, shapes, dtype,
 finiteness), so a refused record changes nothing. A ``Context.state`` is turned into tensors
-plus one JSON document (never pickle) so it fits a peer checkpoint.
+plus one JSON document (never pickle) so it fits a peer checkpoint. A legacy (``client_fn``)
+ClientApp's FitIns / EvaluateIns and FitRes / EvaluateRes go through Flower's own converters
+(``flwr.compat.common.recorddict_compat``), so its layout is exactly what Flower's server sends.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -19,10 +22,12 @@ from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Message,
+    MessageType,
     Metadata,
     MetricRecord,
     RecordDict,
 )
+from flwr.common.typing import Scalar
 
 from p2pfl.models.layout import TensorSpec
 
@@ -239,3 +244,89 @@ def _from_jsonable(v):
     if isinstance(v, list):
         return [_from_jsonable(x) for x in v]
     return v
+
+
+# -- Flower's legacy message layout (a ClientApp built from client_fn: NumPyClient / Client) -----------
+#: What the legacy strategies call a client's reply size; recorded like the Message API's ``num-examples``.
+NUM_EXAMPLES = "num-examples"
+
+
+@dataclass(frozen=True)
+class LegacyReply:
+    """A FitRes / EvaluateRes read back from a reply: the arrays (train only) and the scalar metrics.
+
+    ``metrics`` holds the client's own scalar metrics, ``num-examples`` and, for evaluate, ``loss``
+    (EvaluateRes carries the loss beside its metrics).
+    """
+
+    arrays: list[np.ndarray]
+    metrics: dict[str, float]
+
+
+def legacy_content(message_type: str, arrays: Sequence[np.ndarray], config: Mapping[str, Scalar]) -> RecordDict:
+    """The content Flower's legacy server sends a ``client_fn`` ClientApp: FitIns / EvaluateIns as records.
+
+    Built with Flower's own converters (``fitins_to_recorddict``), so the app's
+    ``handle_legacy_message_from_msgtype`` reads exactly what a Flower server would send it: the
+    arrays as ``Parameters`` (each one .npy bytes, unnamed, in order) and the config.
+    """
+    from flwr.common import EvaluateIns, FitIns, ndarrays_to_parameters
+    from flwr.compat.common.recorddict_compat import evaluateins_to_recorddict, fitins_to_recorddict
+
+    params = ndarrays_to_parameters(list(arrays))
+    if message_type == MessageType.TRAIN:
+        return fitins_to_recorddict(FitIns(params, dict(config)), keep_input=True)
+    if message_type == MessageType.EVALUATE:
+        return evaluateins_to_recorddict(EvaluateIns(params, dict(config)), keep_input=True)
+    raise ValueError(f"no legacy layout for message type {message_type!r}")
+
+
+def get_parameters_content() -> RecordDict:
+    """A legacy ``get_parameters`` request (GetParametersIns, empty config), what Flower's server sends one
+    client when its strategy has no initial parameters."""
+    from flwr.common import GetParametersIns
+    from flwr.compat.common.recorddict_compat import getparametersins_to_recorddict
+
+    return getparametersins_to_recorddict(GetParametersIns(config={}))
+
+
+def legacy_reply(message_type: str, content: RecordDict) -> LegacyReply:
+    """Read a legacy reply (FitRes, EvaluateRes or GetParametersRes) with Flower's own converters.
+
+    Refused (ValueError, one line) when the content is not that layout or its status is not OK;
+    the arrays are decoded by Flower's ``parameters_to_ndarrays`` (``np.load`` without pickle).
+    """
+    from flwr.common import Code, parameters_to_ndarrays
+    from flwr.compat.common.recorddict_compat import (
+        recorddict_to_evaluateres,
+        recorddict_to_fitres,
+        recorddict_to_getparametersres,
+    )
+
+    name = {MessageType.TRAIN: "FitRes", MessageType.EVALUATE: "EvaluateRes"}.get(message_type, "GetParametersRes")
+    try:
+        if message_type == MessageType.TRAIN:
+            res = recorddict_to_fitres(content, keep_input=True)
+            metrics = {**_scalars(res.metrics), NUM_EXAMPLES: float(res.num_examples)}
+            params = res.parameters
+        elif message_type == MessageType.EVALUATE:
+            res = recorddict_to_evaluateres(content)
+            metrics = {**_scalars(res.metrics), NUM_EXAMPLES: float(res.num_examples), "loss": float(res.loss)}
+            params = None
+        else:
+            res = recorddict_to_getparametersres(content, keep_input=True)
+            metrics, params = {}, res.parameters
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"the reply is not a {name} ({type(exc).__name__}: {exc})") from None
+    if res.status.code != Code.OK:
+        raise ValueError(f"the {name} status is {res.status.code.name}: {res.status.message}")
+    try:
+        arrays = [] if params is None else parameters_to_ndarrays(params)
+    except ValueError as exc:
+        raise ValueError(f"the {name} parameters are not .npy arrays ({exc})") from None
+    return LegacyReply(arrays, metrics)
+
+
+def _scalars(values: Mapping[str, Scalar]) -> dict[str, float]:
+    """The numeric entries of a legacy metrics dict (strings and bytes are not metrics columns)."""
+    return {k: float(v) for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}

@@ -1,0 +1,1 @@
+"""flower-app: a Flower / PyTorch app (a small CNN on Fashion-MNIST)."""

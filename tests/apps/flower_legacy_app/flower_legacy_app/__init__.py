@@ -1,0 +1,1 @@
+"""flower-legacy-app: A Flower / PyTorch app."""
