@@ -18,6 +18,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -182,25 +183,24 @@ class ResumeCheck:
                  shapes: Callable[[str], Mapping[str, tuple[int, ...]]], *, accept: bool = False) -> None:
         self.run_dir, self.raw, self.fingerprint, self.shapes, self.accept = Path(run_dir), raw, fingerprint, shapes, accept
         self.changes: dict[str, ConfigChange] = {}  # peer -> its accepted change
-        self._old_raw: dict[str, Any] | None | bool = False  # the folder's config.yaml, read once
 
+    @cached_property
     def _folder_config(self) -> dict[str, Any] | None:
-        if self._old_raw is False:
-            from p2pfl.yamlsafe import load_yaml_file
+        """The run folder's ``config.yaml`` (the config the checkpoints were written under), read once."""
+        from p2pfl.yamlsafe import load_yaml_file
 
-            try:
-                loaded = load_yaml_file(self.run_dir / "config.yaml", "config")
-            except (OSError, ValueError):
-                loaded = None
-            self._old_raw = loaded if isinstance(loaded, dict) else None
-        return self._old_raw  # type: ignore[return-value]
+        try:
+            loaded = load_yaml_file(self.run_dir / "config.yaml", "config")
+        except (OSError, ValueError):
+            return None
+        return loaded if isinstance(loaded, dict) else None
 
     def __call__(self, path: Path, peer: str) -> Verified:
         """``path`` verified as ``peer``'s checkpoint of this run; `CheckpointError` otherwise."""
         got = verify_checkpoint(path, peer_id=peer, shapes=self.shapes(peer))
         if got.run is None or got.run == self.fingerprint:
             return got  # the same run, or a format-1 checkpoint (no fingerprint: docs/bad-input.md)
-        old = self._folder_config()
+        old = self._folder_config
         changed = changed_keys(old, self.raw) if old is not None else []
         if got.run.get("topology") != self.fingerprint["topology"]:
             changed.append("topology (the graph)")
