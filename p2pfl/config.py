@@ -82,6 +82,9 @@ class NetworkConfig(Section):
     probe_s: Annotated[Number, Field(gt=0, le=3600)] = 2.0  # wait for a neighbour marked down (short probe)
     max_staleness: Annotated[int, Field(ge=0, le=1000)] = 4  # async: older payloads (in rounds) are dropped
     staleness_exp: Annotated[Number, Field(ge=0, le=16)] = 1.0  # async: weight ~ w_ij * (1 + s) ** -exp
+    # A peer that every neighbour it calls refuses (TLS handshake, identity, topology or config hash)
+    # this many rounds in a row stops with exit 1 and the causes (0: never; docs/protocol.md).
+    refused_rounds: Annotated[int, Field(ge=0, le=1_000_000)] = 3
     # Experiments only: make a peer this many times slower (sleeps after training), e.g. {p3: 3.0}.
     slowdown: dict[str, Annotated[Number, Field(ge=1, le=1000)]] = Field(default_factory=dict)
 

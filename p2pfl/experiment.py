@@ -16,6 +16,7 @@ import torch
 
 from p2pfl.algorithms import Algorithm, PeerState, build_algorithm
 from p2pfl.algorithms.robust import MixingRule
+from p2pfl.checkpoint import config_fingerprint
 from p2pfl.config import ExperimentConfig
 from p2pfl.data import ArrayDataset, Partition, PeerData, load_dataset, make_partition
 from p2pfl.faults import ByzantineFault
@@ -24,6 +25,7 @@ from p2pfl.models import build_model, split_parameter_names
 from p2pfl.models.layout import ParamLayout
 from p2pfl.node import Node, Protocol, Recorder
 from p2pfl.peerapp import PeerApp
+from p2pfl.resume import ResumeCheck
 from p2pfl.topology import Topology
 from p2pfl.transport.base import Transport
 from p2pfl.wire.compress import WireFormat
@@ -191,6 +193,26 @@ class Experiment:
                         max_staleness=net.max_staleness, staleness_exp=float(net.staleness_exp),
                         slowdown=float(net.slowdown.get(peer_id, 1.0)))
 
+    @cached_property
+    def fingerprint(self) -> dict[str, str]:
+        """The run's fingerprint every checkpoint carries (`p2pfl.checkpoint.config_fingerprint`)."""
+        return config_fingerprint(self.cfg.raw, self.topology.hash())
+
+    def resume_check(self, run_dir: Path, accept_config_change: bool = False) -> ResumeCheck:
+        """What a resume verifies in a checkpoint of this run before it touches the run folder."""
+        return ResumeCheck(run_dir, self.cfg.raw, self.fingerprint, self.checkpoint_shapes, accept=accept_config_change)
+
+    def checkpoint_shapes(self, peer_id: str) -> dict[str, tuple[int, ...]]:
+        """The shapes of the tensors a checkpoint of ``peer_id`` holds under this config (a fresh
+        state: ``params`` and the algorithm's ``extra/<name>``), which a resume checks first."""
+        state = PeerState(peer_id=peer_id, params=self._init[1].clone())
+        if self.app_spec is not None:  # a ClientApp's algorithm state needs its peer bound: params only
+            return {"params": tuple(state.params.shape)}
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(peer_seed(self.cfg.seed, self.topology.index(peer_id)))
+        self.new_algorithm().init_state(state, gen)
+        return {"params": tuple(state.params.shape), **{f"extra/{k}": tuple(v.shape) for k, v in state.extra.items()}}
+
     def make_node(self, peer_id: str, *, transport: Transport, models: ModelPool, record: Recorder,
                   run_dir: Path | None, stop: threading.Event | None = None, on_round=None,
                   rounds: int | None = None) -> Node:
@@ -218,4 +240,5 @@ class Experiment:
                     stop=stop, on_round=on_round, quorum=self.cfg.network.quorum,
                     protocol=self.protocol(peer_id), pipeline=self.pipeline(peer_id),
                     eval_pre_gossip=self.cfg.eval_pre_gossip)
+        node.checkpoint_meta = {"run": self.fingerprint}
         return node

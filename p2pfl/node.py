@@ -99,6 +99,9 @@ class Node:
         self.resumed_record: dict[str, Any] | None = None  # the last record stored with the checkpoint
         # fsync each checkpoint (survives a power loss); `simulate` turns it off (docs/protocol.md)
         self.durable_checkpoints = True
+        # more metadata stored with every checkpoint: the run's fingerprint (Experiment.make_node),
+        # which a resume compares with the config it is started with (p2pfl.resume.check_config)
+        self.checkpoint_meta: dict[str, Any] = {}
         self._fast_forward_from: int | None = None
         self._resumed_at = -1
         self._short = False  # push-sum: some in-neighbour's share did not arrive in the last step
@@ -310,7 +313,8 @@ class Node:
                 rec["mu"] = float(self.state.scalars[MU])
             ledger = self.transport.ledger_state()  # push-sum running totals, consistent with this state
             save_checkpoint(self.checkpoint_path, self.state, self.generator,
-                            meta={"record": rec, **({"ledger": ledger} if ledger is not None else {})},
+                            meta={"record": rec, **({"ledger": ledger} if ledger is not None else {}),
+                                  **self.checkpoint_meta},
                             durable=self.durable_checkpoints)
         self.record(rec)
         if self.on_round is not None:

@@ -15,7 +15,10 @@ What is exported (one peer per process, so the peer is a label on every sample, 
   channels: ``p2pfl_neighbour_up{neighbour}`` and ``p2pfl_neighbour_latency_seconds{neighbour}``
   (round trip of the last successful probe) and ``p2pfl_neighbour_round{neighbour}``;
 * ``p2pfl_resumed_from_round`` (-1: started fresh; else the checkpointed round it resumed at) and
-  ``p2pfl_finished`` (1 once the last round is done).
+  ``p2pfl_finished`` (1 once the last round is done);
+* ``p2pfl_certificate_days_left`` (days until the peer's own TLS certificate expires, computed at
+  each scrape; NaN under ``--insecure``) and ``p2pfl_certificate_expiring`` (1 when fewer than
+  ``p2pfl.security.certs.EXPIRY_WARNING_DAYS`` are left, when the peer also warns in its log): a long deployment must not fall apart silently on expiry day.
 
 Written with the standard library (``http.server``): the exposition format is a few lines of text,
 and the peer image stays free of extra dependencies. Label values are peer ids (validated by the
@@ -56,6 +59,8 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "p2pfl_neighbour_up": ("gauge", "1 if the last Status probe of this neighbour answered."),
     "p2pfl_neighbour_latency_seconds": ("gauge", "Round trip of the last answered Status probe of this neighbour."),
     "p2pfl_neighbour_round": ("gauge", "The round this neighbour reported in its last Status answer."),
+    "p2pfl_certificate_days_left": ("gauge", "Days until this peer's TLS certificate expires (NaN: no TLS)."),
+    "p2pfl_certificate_expiring": ("gauge", "1 if this peer's TLS certificate expires within the warning period (30 days)."),
 }
 
 
@@ -84,7 +89,9 @@ class NodeMetrics:
             "p2pfl_bytes_sent_total": 0, "p2pfl_bytes_received_total": 0,
             "p2pfl_round_duration_seconds": math.nan, "p2pfl_train_seconds": math.nan,
             "p2pfl_missing_neighbours": 0,
+            "p2pfl_certificate_days_left": math.nan, "p2pfl_certificate_expiring": 0,
         }
+        self._cert_expiry: tuple[float, float] | None = None  # (POSIX time it expires, warning days)
         self._per_nbr: dict[str, dict[str, float]] = {
             "p2pfl_neighbour_missing": {n: 0 for n in self.neighbours},
             "p2pfl_neighbour_up": {n: 0 for n in self.neighbours},
@@ -119,6 +126,12 @@ class NodeMetrics:
             if self._values["p2pfl_round"] < round_ - 1:
                 self._values["p2pfl_round"] = round_ - 1
 
+    def certificate(self, not_after: float, warn_days: float) -> None:
+        """The peer's own certificate expires at POSIX time ``not_after`` (days left: at each scrape);
+        ``p2pfl_certificate_expiring`` is 1 with fewer than ``warn_days`` left."""
+        with self._lock:
+            self._cert_expiry = (float(not_after), float(warn_days))
+
     def link(self, neighbour: str, *, up: bool, latency_s: float | None = None, round_: int | None = None) -> None:
         """The result of one probe of ``neighbour``."""
         with self._lock:
@@ -133,6 +146,11 @@ class NodeMetrics:
         peer = f'peer="{_escape(self.peer_id)}"'
         lines: list[str] = []
         with self._lock:
+            if self._cert_expiry is not None:
+                not_after, warn_days = self._cert_expiry
+                days = (not_after - time.time()) / 86400.0
+                self._values["p2pfl_certificate_days_left"] = round(days, 3)
+                self._values["p2pfl_certificate_expiring"] = 1 if days < warn_days else 0
             for name, (kind, help_) in _FAMILIES.items():
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
                 if name in self._values:
@@ -267,6 +285,9 @@ class NodeTelemetry:
 
     def resumed(self, round_: int) -> None:
         self.metrics.resumed(round_)
+
+    def certificate(self, not_after: float, warn_days: float) -> None:
+        self.metrics.certificate(not_after, warn_days)
 
     def close(self) -> None:
         if self.prober is not None:

@@ -31,14 +31,19 @@ def network_for(cfg: ExperimentConfig, certs: Path | None, insecure: bool) -> An
 
 def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path | None = None,
              insecure: bool = False, stop: threading.Event | None = None, threads: int = 1,
-             metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> dict[str, Any]:
+             metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+             accept_config_change: bool = False) -> dict[str, Any]:
     """Serve and run one peer to the end (or until ``stop``); return its last metrics record.
 
     ``metrics_port``: also serve Prometheus ``/metrics`` there (0: any free port; None: off).
+    Before anything is written: its own certificate (`check_own_certificate`) and its checkpoint
+    (`Experiment.resume_check`; ``accept_config_change``: resume it under a changed config, recorded
+    in the run folder) are verified; either refused is a `BadInput` (one line, exit 2).
+    Stops with `RefusedByNeighbours` when every neighbour refuses it for ``network.refused_rounds``
+    rounds in a row (docs/protocol.md, "Refused by every neighbour").
     """
     import torch
 
-    from p2pfl.checkpoint import checkpoint_info
     from p2pfl.experiment import Experiment
     from p2pfl.modelpool import ModelPool
     from p2pfl.runfolder import RunFolder
@@ -50,15 +55,28 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
         raise ValueError(f"peer {peer_id!r} is not in topology {cfg.topology} (peers: {', '.join(exp.topology.ids)})")
     exp.topology.address(peer_id)  # placed? (a graph-only topology needs an address book: one-line TopologyError)
     network = network_for(cfg, certs, insecure)
+    own_cert = _check_certificate(network, peer_id)
     algo = exp.new_algorithm()
     if cfg.network.mode == "async" and algo.mode != "pull":
         raise ValueError(f"network.mode: async needs pull mode; {cfg.algorithm_name} mixes in {algo.mode} mode "
                          "(push-sum's mass accounting needs the round barrier)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # The checkpoint is read before serving, so a restarted peer answers its resumed round at once
+    # The checkpoint is verified and read before anything is written and before serving, so a bad one
+    # leaves the folder as it was, and a restarted peer answers its resumed round at once
     # (docs/protocol.md, "Rejoin").
     ckpt_path = out_dir / "checkpoints" / f"{peer_id}.npz"
-    start_round, ckpt_record = checkpoint_info(ckpt_path) if cfg.checkpoint_every else (0, None)
+    ckpt_exists = cfg.checkpoint_every > 0 and ckpt_path.exists()
+    start_round, ckpt_record = 0, None
+    check = exp.resume_check(out_dir, accept_config_change)
+    if ckpt_exists:
+        verified = check(ckpt_path, peer_id)
+        start_round, ckpt_record = verified.round, verified.record
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_changed = bool(check.changes)
+    if config_changed:  # accepted: the folder says so (and its inputs are this config's: RunFolder.for_peer)
+        changed = sorted({k for ch in check.changes.values() for k in ch.changed})
+        check.record(start_round)
+        log.warning("%s: resuming at round %d under a changed config (%s); recorded in config-changes.jsonl",
+                    peer_id, start_round, ", ".join(changed) or "keys not known")
     transport = start_grpc_peer(exp.topology, peer_id, network, expected_specs=algo.wire_specs(),
                                 scalar_keys=algo.wire_scalars(), seed=cfg.seed, mode=algo.mode,
                                 start_round=start_round,
@@ -69,15 +87,18 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
     try:
         if metrics_port is not None:
             from p2pfl.node_metrics import NodeTelemetry
+            from p2pfl.security.certs import EXPIRY_WARNING_DAYS
 
             nbrs = exp.topology.possible_in_neighbours(peer_id) | exp.topology.possible_out_neighbours(peer_id)
             telemetry = NodeTelemetry(peer_id, nbrs, cfg.rounds, host=metrics_host, port=metrics_port,
                                       probe=lambda n: int(transport.status(n, timeout_s=2.0).round))
-        ckpt_exists = cfg.checkpoint_every > 0 and ckpt_path.exists()
+            if own_cert is not None:
+                telemetry.certificate(own_cert.not_after.timestamp(), EXPIRY_WARNING_DAYS)
         # resuming: metrics-<peer>.jsonl holds exactly rounds < start_round, once each (a kill may
         # have cut either write); the run folder's one lifecycle, as simulate and launch use it
         run = RunFolder.for_peer(out_dir, cfg, exp.topology, exp.partition, peer_id,
-                                 resume_at=start_round if ckpt_exists else None, checkpoint_record=ckpt_record)
+                                 resume_at=start_round if ckpt_exists else None, checkpoint_record=ckpt_record,
+                                 config_changed=config_changed)
 
         def record(rec: dict[str, Any]) -> None:
             rec = run.record(rec)
@@ -88,6 +109,7 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
 
         node = exp.make_node(peer_id, transport=transport, models=ModelPool(exp.model_factory, 1), record=record,
                              run_dir=out_dir, stop=stop)
+        node.on_round = stop_when_refused(node.on_round, transport, peer_id, cfg.network.refused_rounds)
         if node.resume():
             log.warning("%s: resuming at round %d", peer_id, node.state.round)
             if telemetry is not None:
@@ -103,8 +125,46 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
     return last
 
 
+def _check_certificate(network: Any, peer_id: str) -> Any:
+    """This peer's own certificate checked (`check_own_certificate`), with a warning in the log when it
+    expires within `EXPIRY_WARNING_DAYS`; None under --insecure."""
+    if network.insecure:
+        return None
+    from p2pfl.security.certs import EXPIRY_WARNING_DAYS, TLSConfig, check_own_certificate
+
+    own = check_own_certificate(TLSConfig.load(network.certs, peer_id))
+    days = own.days_left()
+    if days < EXPIRY_WARNING_DAYS:
+        log.warning("%s: its certificate %s expires in %.1f days (%s): renew it with `p2pfl certs` and the same CA",
+                    peer_id, own.path.name, days, f"{own.not_after:%Y-%m-%d %H:%M} UTC")
+    return own
+
+
+class RefusedByNeighbours(RuntimeError):
+    """Every neighbour this peer called refused it (TLS, identity, topology or config) for
+    ``network.refused_rounds`` rounds in a row: it stops instead of running on alone."""
+
+
+def stop_when_refused(previous: Any, transport: Any, peer_id: str, bound: int) -> Any:
+    """A Node ``on_round`` hook (wrapping ``previous``) that raises `RefusedByNeighbours` once the
+    transport's refusal streak (`GrpcTransport.refused_streak`) reaches ``bound`` (0: never)."""
+
+    def on_round(r: int) -> None:
+        if previous is not None:
+            previous(r)
+        if bound and hasattr(transport, "refused_streak"):
+            rounds, causes = transport.refused_streak()
+            if rounds >= bound:
+                why = "; ".join(f"{p}: {c}" for p, c in sorted(causes.items()))
+                raise RefusedByNeighbours(f"{peer_id}: every neighbour refused it for {rounds} rounds in a row "
+                                          f"(up to round {r}): {why}")
+
+    return on_round
+
+
 def node_main(cfg: ExperimentConfig, peer_id: str, out_dir: Path, certs: Path | None, insecure: bool,
-              threads: int, metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
+              threads: int, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+              accept_config_change: bool = False) -> int:
     """``p2pfl node``: SIGTERM/SIGINT stop between rounds; exit 0 when done or stopped cleanly."""
     stop = threading.Event()
 
@@ -115,5 +175,5 @@ def node_main(cfg: ExperimentConfig, peer_id: str, out_dir: Path, certs: Path | 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     run_node(cfg, peer_id, out_dir, certs=certs, insecure=insecure, stop=stop, threads=threads,
-             metrics_port=metrics_port, metrics_host=metrics_host)
+             metrics_port=metrics_port, metrics_host=metrics_host, accept_config_change=accept_config_change)
     return 0

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,15 @@ import torch
 
 from p2pfl.algorithms.base import PeerState
 from p2pfl.badinput import BadInput, shorten
-from p2pfl.checkpoint import checkpoint_info, save_checkpoint
-from p2pfl.runfolder import keep_rounds
+from p2pfl.checkpoint import (
+    CheckpointError,
+    Verified,
+    changed_keys,
+    checkpoint_info,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from p2pfl.runfolder import config_change_entry, keep_rounds, record_config_change
 
 #: Checkpoint generations kept per peer (peers drift apart by far less than two checkpoint intervals).
 GENERATIONS = 3
@@ -148,7 +157,81 @@ def finished_round(run_dir: Path, peers: list[str] | None = None) -> int | None:
     return rounds.pop() if len(rounds) == 1 and min(rounds) > 0 else None
 
 
-def prepare_resume(run_dir: Path, peers: list[str], before: int | None = None) -> int:
+#: The command-line flag that accepts a changed config on a resume (named in the refusal).
+ACCEPT_FLAG = "--accept-config-change"
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """A resume under another config than the checkpoint's run, accepted with `ACCEPT_FLAG`."""
+
+    old: dict[str, str]
+    new: dict[str, str]
+    changed: list[str]
+
+
+class ResumeCheck:
+    """What a resume verifies in each checkpoint it would restart from, before it touches any file.
+
+    Why one object: `p2pfl node` checks its own checkpoint, ``simulate --resume`` every peer's, and
+    both must refuse the same things the same way: a damaged file, another peer's, another model's
+    shapes (`verify_checkpoint`), and a run with another config unless ``accept`` (then the change is
+    kept in `changes`, and `record` writes it to the run folder once everything is verified).
+    """
+
+    def __init__(self, run_dir: Path, raw: Mapping[str, Any], fingerprint: dict[str, str],
+                 shapes: Callable[[str], Mapping[str, tuple[int, ...]]], *, accept: bool = False) -> None:
+        self.run_dir, self.raw, self.fingerprint, self.shapes, self.accept = Path(run_dir), raw, fingerprint, shapes, accept
+        self.changes: dict[str, ConfigChange] = {}  # peer -> its accepted change
+
+    @cached_property
+    def _folder_config(self) -> dict[str, Any] | None:
+        """The run folder's ``config.yaml`` (the config the checkpoints were written under), read once."""
+        from p2pfl.yamlsafe import load_yaml_file
+
+        try:
+            loaded = load_yaml_file(self.run_dir / "config.yaml", "config")
+        except (OSError, ValueError):
+            return None
+        return loaded if isinstance(loaded, dict) else None
+
+    def __call__(self, path: Path, peer: str) -> Verified:
+        """``path`` verified as ``peer``'s checkpoint of this run; `CheckpointError` otherwise."""
+        got = verify_checkpoint(path, peer_id=peer, shapes=self.shapes(peer))
+        if got.run is None or got.run == self.fingerprint:
+            return got  # the same run, or a format-1 checkpoint (no fingerprint: docs/bad-input.md)
+        old = self._folder_config
+        changed = changed_keys(old, self.raw) if old is not None else []
+        if got.run.get("topology") != self.fingerprint["topology"]:
+            changed.append("topology (the graph)")
+        if not self.accept:
+            what = ", ".join(changed) if changed else "keys not known: the run folder's config.yaml already holds this one"
+            raise CheckpointError(f"was written by this run under another config (changed: {shorten(what, 200)})",
+                                  source=shorten(str(path), 200),
+                                  hint=f"resume with the old config, or pass {ACCEPT_FLAG} to go on with this one "
+                                       "(recorded in config-changes.jsonl)")
+        self.changes[peer] = ConfigChange(dict(got.run), dict(self.fingerprint), changed)
+        return got
+
+    def record(self, round: int) -> None:
+        """Write the accepted changes (one line per change) to the run folder's ``config-changes.jsonl``."""
+        by_change: dict[tuple[str, str, tuple[str, ...]], list[str]] = {}
+        for peer, ch in sorted(self.changes.items()):
+            key = (_fp_text(ch.old), _fp_text(ch.new), tuple(ch.changed))
+            by_change.setdefault(key, []).append(peer)
+        for peers in by_change.values():
+            ch = self.changes[peers[0]]
+            record_config_change(self.run_dir, config_change_entry(peers, round, ch.old, ch.new, ch.changed))
+        self.changes = {}
+
+
+def _fp_text(d: Mapping[str, str]) -> str:
+    """A fingerprint as one comparable string."""
+    return ",".join(f"{k}={d[k]}" for k in sorted(d))
+
+
+def prepare_resume(run_dir: Path, peers: list[str], before: int | None = None,
+                   check: ResumeCheck | None = None) -> int:
     """Restore the last round every peer checkpointed (below ``before``); return it (0: start over).
 
     Puts each peer's generation of that round back as ``checkpoints/<peer>.npz`` and rewrites
@@ -160,16 +243,23 @@ def prepare_resume(run_dir: Path, peers: list[str], before: int | None = None) -
     algorithm is told the number of rounds, so this continues exactly as a longer run would, but for
     the evaluation every run makes at its last round); otherwise :class:`ResumeError`, with nothing
     changed.
+
+    ``check``: every checkpoint it would restart from is verified first (`ResumeCheck`), so a bad
+    one is refused with the folder as it was; accepted config changes are recorded after that.
     """
     run_dir = Path(run_dir)
     gen = _gen_dir(run_dir)
     common = [r for r, have in _generations(gen).items() if set(peers) <= have and (before is None or r < before)]
     if not common and (run_dir / "summary.json").is_file():
-        return _extend(run_dir, peers, before)
+        return _extend(run_dir, peers, before, check)
     if not common:
         shutil.rmtree(gen, ignore_errors=True)
         return 0
     start = max(common)
+    if check is not None:
+        for pid in peers:
+            check(gen / f"{pid}.r{start}.npz", pid)
+        check.record(start)
     for pid in peers:
         ckpt = run_dir / "checkpoints" / f"{pid}.npz"
         tmp = ckpt.with_name(ckpt.name + ".resume")
@@ -182,8 +272,12 @@ def prepare_resume(run_dir: Path, peers: list[str], before: int | None = None) -
     return start
 
 
-def _extend(run_dir: Path, peers: list[str], before: int | None) -> int:
+def _extend(run_dir: Path, peers: list[str], before: int | None, check: ResumeCheck | None = None) -> int:
     """A finished run continued to ``before`` rounds from its final checkpoints (see prepare_resume)."""
+    if check is not None:
+        for pid in peers:
+            if (f := run_dir / "checkpoints" / f"{pid}.npz").is_file():
+                check(f, pid)
     done = finished_round(run_dir, peers)
     if done is None:
         raise ResumeError(f"{shorten(str(run_dir))} holds a finished run without final checkpoints of every peer to continue "
@@ -192,6 +286,8 @@ def _extend(run_dir: Path, peers: list[str], before: int | None) -> int:
     if before is not None and done >= before:
         raise ResumeError(f"{shorten(str(run_dir))} holds a run that finished its {done} rounds; nothing to resume",
                           source="--resume", hint=f"set rounds above {done} to extend it")
+    if check is not None:
+        check.record(done)
     # From here on the folder is an interrupted run resumable at ``done``: its generations first, then
     # no summary (a kill in between leaves a finished run, as before).
     for pid in peers:
@@ -216,5 +312,5 @@ def resumable(run_dir: Path, peers: list[str] | None = None) -> bool:
     return any(set(peers) <= have for have in gens.values())
 
 
-__all__ = ["GENERATIONS", "ResumeError", "checkpoint_due", "drop_generations", "finished_round", "keep_generation",
+__all__ = ["ACCEPT_FLAG", "GENERATIONS", "ConfigChange", "ResumeCheck", "ResumeError", "checkpoint_due", "drop_generations", "finished_round", "keep_generation",
            "keep_generations", "link_generation", "prepare_resume", "resumable", "save_generation"]

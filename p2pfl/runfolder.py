@@ -8,6 +8,7 @@
       summary.json       final mean/min/max personalized accuracy and totals
       accuracy.png       mean personalized accuracy per round, min-max and quartile bands over peers
       checkpoints/       one atomic checkpoint per peer
+      config-changes.jsonl  config changes a resume accepted (--accept-config-change), if any
 
 Every driver (``simulate`` with either engine, ``launch``, the Flower baselines, ``flwr run``)
 goes through one `RunFolder`: created only after the experiment validated, it writes the
@@ -108,6 +109,31 @@ def keep_rounds(path: Path, before: int, record: dict[str, Any] | None = None) -
     tmp.write_text("".join(recs[k] + "\n" for k in order))
     os.replace(tmp, path)
     return len(recs)
+
+
+#: One JSON line per accepted config change on a resume (``--accept-config-change``).
+CONFIG_CHANGES = "config-changes.jsonl"
+
+
+def config_change_entry(peers: list[str], round: int, old: dict[str, str], new: dict[str, str],
+                        changed: list[str]) -> dict[str, Any]:
+    """The record of a config change a resume accepted: who, at which round, the fingerprints before
+    and after (`p2pfl.checkpoint.config_fingerprint`) and the keys that changed."""
+    return {"time": time.time(), "peers": list(peers), "round": int(round), "old": dict(old), "new": dict(new),
+            "changed": list(changed)}
+
+
+def record_config_change(run_dir: Path, entry: dict[str, Any]) -> None:
+    """Append ``entry`` to ``config-changes.jsonl``: the folder says its config changed mid-run, and how.
+
+    Why a file of its own: ``config.yaml`` then holds the new config (what the run goes on with), and
+    the records before the change were made under the old one; this line is the only trace of that.
+    """
+    path = Path(run_dir) / CONFIG_CHANGES
+    with open(path, "a") as f:
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
@@ -251,17 +277,19 @@ class RunFolder:
 
     @classmethod
     def for_peer(cls, path: str | Path, cfg: ExperimentConfig, topology: Topology, partition: Any, peer: str, *,
-                 resume_at: int | None = None, checkpoint_record: dict[str, Any] | None = None) -> RunFolder:
+                 resume_at: int | None = None, checkpoint_record: dict[str, Any] | None = None,
+                 config_changed: bool = False) -> RunFolder:
         """``p2pfl node``: peer ``peer``'s part of a run folder that the deployment's peers share.
 
         The inputs are written when the folder has none yet (``launch`` wrote them already; in a
         compose deployment the first peer does, atomically). ``resume_at``: the round the peer's
         checkpoint resumes at; its ``metrics-<peer>.jsonl`` is first made to hold exactly the rounds
         before it (`keep_rounds`, with ``checkpoint_record``), then appended to. Records carry the
-        wall clock (``time``), so runs are compared after the same wall time.
+        wall clock (``time``), so runs are compared after the same wall time. ``config_changed``: a
+        resume accepted a changed config (``--accept-config-change``): the inputs are rewritten.
         """
         path = Path(path)
-        if not (path / "config.yaml").exists():
+        if config_changed or not (path / "config.yaml").exists():  # changed: accepted on resume, recorded
             write_inputs(path, cfg.raw, topology.to_dict(), partition)
         if resume_at is not None:
             keep_rounds(peer_metrics_path(path, peer), resume_at, checkpoint_record)

@@ -51,11 +51,14 @@ class SimulationError(RuntimeError):
 
 
 def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = True,
-             experiment: Experiment | None = None, resume: bool = False) -> dict[str, Any]:
+             experiment: Experiment | None = None, resume: bool = False,
+             accept_config_change: bool = False) -> dict[str, Any]:
     """Run the experiment; write the run folder; return the summary.
 
     ``resume``: continue an interrupted run in ``out_dir`` from the last round that *every* peer
-    checkpointed (see :func:`p2pfl.resume.prepare_resume`); from round 0 when there is none.
+    checkpointed (see :func:`p2pfl.resume.prepare_resume`); from round 0 when there is none. The
+    checkpoints are verified first (`Experiment.resume_check`); ``accept_config_change``: go on although the
+    config differs from theirs (recorded in the run folder).
     """
     if cfg.network.mode == "async":
         raise ConfigError("network.mode: async runs under `p2pfl launch` / `p2pfl node` (one process per peer); "
@@ -66,11 +69,13 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
     if (cfg.raw.get("simulation") or {}).get("engine", "exact") == "batched":
         from p2pfl.engine.batched import simulate_batched
 
-        return simulate_batched(cfg, exp, run_dir, progress=progress, resume=resume)
+        return simulate_batched(cfg, exp, run_dir, progress=progress, resume=resume,
+                                accept_config_change=accept_config_change)
     topo = exp.topology
     ids = list(topo.ids)
-    start = prepare_resume(run_dir, ids, before=cfg.rounds) if resume else 0
     exp.layout  # noqa: B018 - build the initial model before forking (and refuse a broken app before writing)
+    start = prepare_resume(run_dir, ids, before=cfg.rounds,
+                           check=exp.resume_check(run_dir, accept_config_change)) if resume else 0
     run = RunFolder.start(run_dir, cfg, topo, exp.partition, "simulate", append=start > 0)
     workers = max(1, min(cfg.workers, len(ids)))
     if exp.device.type == "cuda":

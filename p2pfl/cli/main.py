@@ -49,6 +49,9 @@ app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="experiment config YAML")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override a config value: dotted.key=VALUE (repeatable)")]
+AcceptChangeOpt = Annotated[bool, typer.Option(
+    "--accept-config-change", help="resume although the config differs from the one the checkpoints were "
+    "written with (recorded in the run folder's config-changes.jsonl)")]
 AddressesOpt = Annotated[Path | None, typer.Option(
     "--addresses", help="address book (peer id -> host:port) placing the topology's peers; "
     "same as --set network.addresses=FILE")]
@@ -147,6 +150,9 @@ def _check_peer(cfg, peer: str, certs: Path | None, insecure: bool) -> None:
     if missing:
         raise BadInput(f"{', '.join(missing)} not found in {folder}", source="--certs",
                        hint=f"make them with `p2pfl certs -c CONFIG --out {folder}`")
+    from p2pfl.security.certs import TLSConfig, check_own_certificate
+
+    check_own_certificate(TLSConfig.load(folder, peer))  # another CA's, expired, another id's: refused here
 
 
 def default_run_dir(name: str, algorithm: str) -> Path:
@@ -160,7 +166,8 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
              resume: Annotated[bool, typer.Option("--resume", help="continue an interrupted run in --out from "
                                                   "the last round every peer checkpointed, or extend a finished "
                                                   "one to more rounds")] = False,
-             verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
+             verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+             accept_config_change: AcceptChangeOpt = False) -> None:
     """Run every peer of CONFIG in one process (in-memory transport) and write a run folder."""
     _setup_logging(verbose)
     cfg = _load(config, set, rounds)
@@ -170,7 +177,7 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
     one_malloc_arena()  # before the progress bar's thread, so the forked workers inherit one arena
     run_dir = out or default_run_dir(cfg.name, cfg.algorithm_name)
     with _making(run_dir, config):
-        summary = run_sim(cfg, run_dir, progress=not quiet, resume=resume)
+        summary = run_sim(cfg, run_dir, progress=not quiet, resume=resume, accept_config_change=accept_config_change)
     print_summary(summary, run_dir)
 
 
@@ -186,7 +193,7 @@ def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="th
              "--metrics-host", help="address /metrics listens on (0.0.0.0 for a scraper on another host)")]
          = "127.0.0.1",
          set: SetOpt = None, verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
-         addresses: AddressesOpt = None) -> None:
+         addresses: AddressesOpt = None, accept_config_change: AcceptChangeOpt = False) -> None:
     """Run one peer: serve its gRPC peer service and run its rounds (resumes from its checkpoint)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format=f"%(asctime)s %(levelname)s [{peer}] %(name)s: %(message)s")
@@ -197,7 +204,8 @@ def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="th
 
     try:
         with _no_leftovers(out, empty_only=True):
-            code = node_main(cfg, peer, out, certs, insecure, threads, metrics_port, metrics_host)
+            code = node_main(cfg, peer, out, certs, insecure, threads, metrics_port, metrics_host,
+                             accept_config_change=accept_config_change)
     except BadInput:
         raise
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
@@ -275,7 +283,12 @@ def certs(config: ConfigOpt, out: Annotated[Path, typer.Option(help="folder for 
             make_certs(list(topo.ids), out, hosts=hosts, ca_key_dir=ca_key_dir)
     except ValueError as exc:
         raise BadInput(str(exc), source=str(config)) from None
-    typer.echo(f"wrote CA and {len(topo.ids)} peer certificates to {out}")
+    from p2pfl.security.certs import CA_CERT, certificate_expiry
+
+    expiry = min(certificate_expiry(out / f"{pid}.crt") for pid in topo.ids)
+    ca_expiry = certificate_expiry(out / CA_CERT)
+    typer.echo(f"wrote CA and {len(topo.ids)} peer certificates to {out}; they expire on "
+               f"{expiry:%Y-%m-%d %H:%M} UTC (the CA on {ca_expiry:%Y-%m-%d}): renew before then with the same CA")
 
 
 @app.command()

@@ -193,7 +193,7 @@ class BatchedSimulation:
             host = rows_on(self.state, slice(start, start + chunk), torch.device("cpu"))
             for k, pid in enumerate(self.ids[start : start + chunk]):
                 save_checkpoint(self.ckpt_dir / f"{pid}.npz", peer_state(host, k, pid), self.generators[start + k],
-                                durable=False)
+                                meta={"run": self.exp.fingerprint}, durable=False)
 
     # -- gossip ---------------------------------------------------------------------------------
     def gossip(self, r: int) -> dict[str, list]:
@@ -261,13 +261,14 @@ def run_batched(exp: Experiment, run_dir: Path | None, record: Record, rounds: i
 
 
 def simulate_batched(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, *, progress: bool = True,
-                     resume: bool = False) -> dict[str, Any]:
+                     resume: bool = False, accept_config_change: bool = False) -> dict[str, Any]:
     """``p2pfl simulate`` with ``simulation.engine: batched``: the same run folder as the exact engine.
 
     ``resume``: continue from the last round every peer checkpointed, as the exact engine does
     (``p2pfl/resume.py``), from the same per-peer checkpoint files and generations."""
     ids = list(exp.topology.ids)
-    start = prepare_resume(run_dir, ids, before=cfg.rounds) if resume else 0
+    start = prepare_resume(run_dir, ids, before=cfg.rounds,
+                           check=exp.resume_check(run_dir, accept_config_change)) if resume else 0
     run = RunFolder.start(run_dir, cfg, exp.topology, exp.partition, "simulate", append=start > 0)
     threads = torch.get_num_threads()
     # One process steps every peer, with one torch thread. ``simulation.workers`` torch threads

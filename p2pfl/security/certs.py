@@ -22,14 +22,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from p2pfl.badinput import BadInput, shorten
+
 if TYPE_CHECKING:  # grpc is imported lazily: `p2pfl certs` does not need it
     import grpc
 
-__all__ = ["CA_CERT", "CA_KEY", "TLSConfig", "caller_peer_id", "make_certs"]
+__all__ = ["CA_CERT", "CA_KEY", "EXPIRY_WARNING_DAYS", "CertificateProblem", "OwnCertificate", "TLSConfig",
+           "caller_peer_id", "check_own_certificate", "make_certs"]
 
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
@@ -178,7 +182,7 @@ def _existing_ok(cert_path: Path, key_path: Path, peer_id: str, hosts: Sequence[
         cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
         key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
         cert.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, x509.InvalidSignature):
+    except (ValueError, TypeError, InvalidSignature):
         return False
     if cert.public_key() != key.public_key():
         return False
@@ -314,6 +318,85 @@ class TLSConfig:
 
         ca, cert, key = self.read()
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+
+#: A peer warns (its log, ``p2pfl_certificate_expiring`` on ``/metrics``) with fewer days left than this.
+EXPIRY_WARNING_DAYS = 30
+
+
+class CertificateProblem(BadInput):
+    """A peer's own TLS material is unusable: ``FILE: problem`` (one line, exit 2, before anything starts)."""
+
+
+@dataclass(frozen=True)
+class OwnCertificate:
+    """A peer's certificate that `check_own_certificate` found fit: when it expires."""
+
+    path: Path
+    not_after: dt.datetime
+
+    def days_left(self, now: dt.datetime | None = None) -> float:
+        return (self.not_after - (now or _now())).total_seconds() / 86400.0
+
+
+def _when(t: dt.datetime) -> str:
+    return t.strftime("%Y-%m-%d %H:%M UTC")
+
+
+def certificate_expiry(path: str | os.PathLike[str]) -> dt.datetime:
+    """When the PEM certificate at ``path`` expires (UTC)."""
+    return x509.load_pem_x509_certificate(Path(path).read_bytes()).not_valid_after_utc
+
+
+def check_own_certificate(tls: TLSConfig, now: dt.datetime | None = None) -> OwnCertificate:
+    """Refuse, before a peer starts, TLS material its neighbours would refuse (`CertificateProblem`).
+
+    Why: a peer with a certificate of another CA, an expired one, or one made for another id is
+    refused by every neighbour in the TLS handshake; without this check it ran its rounds alone
+    and exited 0. Checked: each file parses; the CA certificate is valid now; the certificate is
+    signed by that CA, valid now (neither before its start nor after its end), names this peer
+    (CN and DNS SAN, as `make_certs` writes it and `caller_peer_id` reads it); the key is its key.
+    """
+    now = now or _now()
+
+    def refuse(path: Path, problem: str, hint: str | None = None) -> CertificateProblem:
+        return CertificateProblem(problem, source=shorten(str(path), 200), hint=hint)
+
+    def load_cert(path: Path) -> x509.Certificate:
+        try:
+            return x509.load_pem_x509_certificate(path.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise refuse(path, f"not a PEM certificate ({shorten(str(exc), 80)})") from None
+
+    ca, cert = load_cert(tls.ca), load_cert(tls.cert)
+    remake = "make new ones with `p2pfl certs` (the same CA: keep ca.key)"
+    for path, c in ((tls.ca, ca), (tls.cert, cert)):
+        if c.not_valid_before_utc > now:
+            raise refuse(path, f"not valid before {_when(c.not_valid_before_utc)} (clock skew?)")
+        if c.not_valid_after_utc <= now:
+            raise refuse(path, f"expired on {_when(c.not_valid_after_utc)}", hint=remake)
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        raise refuse(tls.cert, f"not signed by the CA in {shorten(str(tls.ca), 120)} (a certificate of another "
+                     "deployment?)", hint="the neighbours trust only that CA") from None
+    cns = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    try:
+        sans = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+                   .get_values_for_type(x509.DNSName))
+    except x509.ExtensionNotFound:
+        sans = set()
+    if cns != [tls.peer_id] or tls.peer_id not in sans:
+        whose = shorten(repr(cns[0]), 70) if len(cns) == 1 else f"{len(cns)} common names"
+        raise refuse(tls.cert, f"is for peer {whose}, not {tls.peer_id!r}", hint=remake)
+    try:
+        key = serialization.load_pem_private_key(tls.key.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError):
+        raise refuse(tls.key, "not a PEM private key without a password") from None
+    if key.public_key() != cert.public_key():
+        raise refuse(tls.key, f"does not match {shorten(str(tls.cert), 120)} (the key of another certificate)")
+    return OwnCertificate(tls.cert, cert.not_valid_after_utc)
 
 
 def caller_peer_id(context: Any) -> str | None:

@@ -50,6 +50,7 @@ from p2pfl.transport.grpc_service import (
     channel_options,
 )
 from p2pfl.transport.limits import bounded
+from p2pfl.transport.refusals import RefusalTracker
 from p2pfl.wire.codec import Decoder, EncodedPayload, encode_frames, parse_frame
 from p2pfl.wire.compress import WireFormat
 from p2pfl.wire.validate import Expectation, WireError
@@ -163,6 +164,8 @@ class GrpcTransport(Transport):
         # (checkpointed with the state; docs/protocol.md, "Push-sum mass").
         self._given: dict[str, float] = {}
         self._down: set[str] = set()  # neighbours noticed down: probed briefly, not waited for
+        self._probe_why: dict[str, str] = {}  # neighbour -> why its last liveness probe failed
+        self._refusals = RefusalTracker(peer_id)  # "refuses this peer" apart from "does not answer"
         # neighbours whose Status said they finished the run: every such answer, whichever call got
         # it, since the neighbour counts each as having told this peer (`PeerServer.told_finished`)
         self._finished: set[str] = set()
@@ -263,10 +266,18 @@ class GrpcTransport(Transport):
             return True
         try:
             self.status(peer, self.probe_s, wait_for_ready=False)
-        except grpc.RpcError:
+        except grpc.RpcError as e:  # without wait_for_ready it says why (a TLS handshake, a refused connection)
+            self._probe_why[peer] = f"{e.code().name}: {bounded(e.details() or '', 300)}"
             return False
         self._mark_up(peer)
         return True
+
+    def refused_streak(self) -> tuple[int, dict[str, str]]:
+        """Rounds in a row in which every neighbour called refused this peer, and why (`RefusalTracker`)."""
+        return self._refusals.streak()
+
+    def _unanswered_probe(self, peer: str) -> str:
+        return self._probe_why.get(peer, "UNAVAILABLE: no answer to a probe")
 
     def _failed(self, peer: str, why: str) -> None:
         """A call to ``peer`` failed; a dead or silent neighbour (not a refusal) is marked down."""
@@ -352,8 +363,10 @@ class GrpcTransport(Transport):
     def _pull_checked(self, peer: str, round: int, step: int, deadline: float) -> tuple[Message | None, int, str]:
         """`_pull_one`, skipped for a neighbour that is down and does not answer a probe."""
         if not self._alive(peer):
+            self._refusals.note(round, peer, self._unanswered_probe(peer))
             return None, 0, "neighbour is down (no answer to a probe)"
         msg, nbytes, why = self._pull_one(peer, round, step, deadline)
+        self._refusals.note(round, peer, None if msg is not None else why)
         if msg is None:
             self._failed(peer, why)
         else:
@@ -514,6 +527,7 @@ class GrpcTransport(Transport):
             self.server.gave(peer, key[1], key[2], payload)
             return True, None
         if not self._alive(peer):
+            self._refusals.note(key[1], peer, self._unanswered_probe(peer))
             log.warning("%s %s: push to %s skipped: neighbour is down; its share stays here", self.peer_id, tag, peer)
             return False, None
         md: tuple[tuple[str, str], ...] = ((GIVEN_MD, repr(float(claim))),)
@@ -541,6 +555,7 @@ class GrpcTransport(Transport):
                 code = e.code()
                 why = f"{code.name}: {bounded(e.details() or '', 300)}"
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS):
+                    self._refusals.note(int(payload.header.round), peer, why)
                     told = _absorbed(e)  # a refusal still tells this peer's total absorbed there
                     if why.startswith("ABORTED") and any(k == KEEP_MD for k, _ in metadata):
                         return False, told  # withheld on purpose: the receiver knows; nothing failed
@@ -556,7 +571,9 @@ class GrpcTransport(Transport):
             self.server.gave(peer, int(payload.header.round), int(payload.header.step), payload)
             self._note_mixed(peer, int(payload.header.round), int(payload.header.step))
             self._mark_up(peer)
+            self._refusals.note(int(payload.header.round), peer, None)
             return True, _absorbed(call)
+        self._refusals.note(int(payload.header.round), peer, why)
         self._failed(peer, why)
         log.warning("%s %s: push to %s not mixed (%s); its share stays here", self.peer_id, tag, peer, why[:300])
         return False, None
