@@ -130,6 +130,8 @@ class _Derived:
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: static topologies only: (peer index, mode) -> (self weight, in weights, out weights)
     plans: dict[tuple[int, str], tuple[float, dict[str, float], dict[str, float]]] = field(default_factory=dict)
+    #: `Topology.hash`, once computed (the fields it covers never change)
+    hash: str | None = None
 
 
 @dataclass(frozen=True)
@@ -334,7 +336,18 @@ class Topology:
         simulate, launch, compose and Kubernetes agree on the hash of one graph). Edges are
         canonicalized (undirected pairs in peer order, then sorted) so two files describing the same
         graph agree.
+
+        Computed once per `Topology` (it is immutable): every peer's Node asks for it, and at
+        10,000 peers one computation took ~50 ms, so a worker building 5,000 Nodes spent minutes
+        of its start-up hashing the same graph (issue 71).
         """
+        d = self._derived
+        if d.hash is None:
+            d.hash = self._compute_hash()
+        return d.hash
+
+    def _compute_hash(self) -> str:
+        """`hash`, computed: O(peers + edges) (a JSON of the whole graph and its sha256)."""
         idx = self._derived.index
         edges = []
         for s, t in self.edges:
