@@ -19,6 +19,10 @@ Figures, per size:
 * ``startup_s``: from launching the child to the (mean) end of round 0, less one steady round: imports,
   config, dataset and partition, topology, run folder, forking, and building every peer's Node.
   ``startup_share_10``: its share of a 10-round run, startup / (startup + 10 rounds + tail).
+  ``startup_cpu_s``: the same in CPU seconds, load-independent: the forking process's CPU when the
+  workers fork plus the slowest worker's CPU to the end of round 0 less one round
+  (``startup_cpu_share_10``: its share of 10 rounds at the workers' CPU per round spread over the
+  workers, i.e. the share on an idle machine).
   ``tail_s``: from the end of the last round (its last peer) to `simulate` returning (teardown, sorted metrics,
   summary, plot).
 * ``main_rss_mb``/``main_pss_mb``: the peak of the child (the process that forks the workers and
@@ -55,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 DEFAULT_SIZES = (128, 1024, 4096, 10000)
 PAGE = os.sysconf("SC_PAGE_SIZE")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 #: The protocol, as overrides of bench/reproduce/deprl_fmnist/base.yaml (cnn_small, D-PSGD, 3 steps of 16).
 PROTOCOL = ["data.partition={kind: iid}", "eval_every=1", "checkpoint.enabled=false", "algorithm.lr_decay=1.0"]
@@ -153,6 +158,17 @@ def _stamp_records() -> None:
         add(self, rec)
 
     simulation._RecordBatch.add = stamped  # type: ignore[method-assign]
+    worker = simulation._worker
+
+    def started(w: int, *args: Any, **kwargs: Any) -> None:
+        # The forking process's CPU when this worker forked: everything the run did before any peer.
+        with open(f"/proc/{os.getppid()}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        print("FORK " + json.dumps({"w": w, "parent_cpu": (int(fields[11]) + int(fields[12])) / CLK_TCK,
+                                    "t": time.monotonic()}), flush=True)
+        worker(w, *args, **kwargs)
+
+    simulation._worker = started
 
 
 def _round_figures(metrics: Path, peers: int, rounds: int) -> dict[str, Any]:
@@ -184,8 +200,11 @@ def _round_figures(metrics: Path, peers: int, rounds: int) -> dict[str, Any]:
         return sum(cpu[(r, pid)]) / len(cpu[(r, pid)])
 
     span = rounds - 1
+    per_worker = {p: (mean_cpu(rounds - 1, p) - mean_cpu(0, p)) / span for p in pids}
     return {"s_per_round": (mean[rounds - 1] - mean[0]) / span,
-            "cpu_s_per_round": sum(mean_cpu(rounds - 1, p) - mean_cpu(0, p) for p in pids) / span,
+            "cpu_s_per_round": sum(per_worker.values()),
+            # a worker's CPU from its fork to the (mean) end of round 0, less one round: building its peers
+            "worker_startup_cpu_s": max(mean_cpu(0, p) - per_worker[p] for p in pids),
             "end0": mean[0], "end_last": t_max[rounds - 1],
             "round_s": [round(mean[r] - mean[r - 1], 3) for r in range(1, rounds)]}
 
@@ -251,6 +270,11 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
     if proc.returncode:
         raise SystemExit(f"{n} peers: child failed (exit code {proc.returncode})")
     res = json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("RESULT "))[len("RESULT "):])
+    forks = [json.loads(ln[len("FORK "):]) for ln in out.splitlines() if ln.startswith("FORK ")]
+    # CPU seconds before the first round can start on an idle machine: the forking process's work
+    # (imports, config, dataset, partition, run folder) plus the slowest worker building its peers
+    startup_cpu = max((f["parent_cpu"] for f in forks), default=0.0) + res["worker_startup_cpu_s"]
+    idle_round = res["cpu_s_per_round"] / max(1, res["workers"])  # a round's wall time if no one else ran
     spr = res["s_per_round"]
     startup = res["end0"] - t0 - spr
     tail = res["t_done"] - res["end_last"]
@@ -261,6 +285,8 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "startup_s": round(startup, 2), "import_s": round(res["t_imported"] - t0, 2),
         "to_simulate_s": round(res["t_simulate"] - t0, 2), "tail_s": round(tail, 2),
         "startup_share_10": round(startup / (startup + 10 * spr + tail), 4),
+        "startup_cpu_s": round(startup_cpu, 2),
+        "startup_cpu_share_10": round(startup_cpu / (startup_cpu + 10 * idle_round), 4),
         "total_s": round(time.monotonic() - t0, 2),
         **{f"{k}_mb": round(v, 1) for k, v in sampler.peak.items()},
         "state_kb_per_peer": round(res["state_bytes"] / 1024, 1), "param_kb": round(res["param_bytes"] / 1024, 1),
@@ -291,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
         runs[n] = fig = run_size(n, args)
         print(f"{n:6d} peers: {fig['s_per_round']:.2f} s/round, {fig['ms_per_peer']:.2f} ms/peer "
               f"({fig['cpu_ms_per_peer']:.2f} CPU ms), start-up {fig['startup_s']:.1f} s "
-              f"({100 * fig['startup_share_10']:.1f}% of 10 rounds), tail {fig['tail_s']:.1f} s, "
+              f"({100 * fig['startup_share_10']:.1f}% of 10 rounds; {fig['startup_cpu_s']:.1f} CPU s, "
+              f"{100 * fig['startup_cpu_share_10']:.1f}%), tail {fig['tail_s']:.1f} s, "
               f"PSS {fig['pss_mb']:.0f} MB (main {fig['main_pss_mb']:.0f}, workers {fig['workers_pss_mb']:.0f}), "
               f"RSS main {fig['main_rss_mb']:.0f} MB, workers {fig['workers_rss_mb']:.0f} MB", flush=True)
     base = runs[sizes[0]]
