@@ -37,6 +37,19 @@ wall cost per peer at 10,000 over that at 128; null unless both ran). Targets (i
 ratio <= 1.15; start-up < 10% of a 10-round run; memory per peer <= 2x its parameters plus
 optimizer state.
 
+Figures (2026-12-05, 2 shared cores, load average 4-16 from other jobs: wall figures are
+inflated and noisy, CPU figures less so; one run each):
+
+* before (ceca194): 128 peers ``--rounds 4``: 12.27 ms/peer (13.85 CPU ms); 1024: 7.67 (10.87 CPU),
+  start-up 12.7 s. 4096 ``--rounds 3`` did not finish in 900 s under load 13 (killed); the issue's
+  figures on a quieter machine: 4096 42.9 s/round, 10,000 205 s/round (7 minutes for 2 rounds).
+* after (1a13ff1 for 128/1024, 68c20f2 for 4096/10,000): 128 ``--rounds 4``: 12.39 ms/peer (13.73 CPU
+  ms); 1024: 8.01 (10.37 CPU), start-up 8.9 s (9.7 % of 10 rounds); 4096 ``--rounds 2``: 7.86 CPU
+  ms/peer (wall 25 ms/peer at load 11-13); 10,000 ``--rounds 2``: 38.8 s/round, 3.88 ms/peer (5.03
+  CPU ms), start-up 60 s wall / 40 CPU s (13 % of 10 rounds), 156 s for the whole run; peak PSS
+  12.3 GB (main 0.69 GB, workers 12.0 GB), ~1.2 MB per peer beyond the 128-peer run: 3.7-4x a
+  peer's 313 KB of parameters (D-PSGD keeps no optimizer state).
+
 Usage: python bench/scale.py [--sizes 128,1024,4096,10000] [--rounds 4] [--workers 2] [--set KEY=VALUE]
 Quick look: python bench/scale.py --sizes 128,1024 --rounds 3
 """
