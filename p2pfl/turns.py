@@ -36,13 +36,14 @@ from greenlet import greenlet
 class Ticket:
     """A peer's place in line: its greenlet, and which of its waits a timer belongs to."""
 
-    __slots__ = ("glet", "parked", "wait_no", "admitted")
+    __slots__ = ("glet", "parked", "wait_no", "admitted", "timed")
 
     def __init__(self, glet: greenlet) -> None:
         self.glet = glet
         self.parked = False  # inside `wait`, switched out
         self.wait_no = 0  # bumped by every wait, so a timer of an earlier wait is ignored
         self.admitted = 0  # admissions queued and not served yet: a timer running out then is no timeout
+        self.timed = False  # its current wait has a live timer in the heap (`Turns._live_timers` counts them)
 
 
 class Turns:
@@ -54,6 +55,7 @@ class Turns:
         # heap (priority, arrival, ticket, None for an admission | the wait_no of a timeout)
         self._ready: list[tuple[tuple, int, Ticket, int | None]] = []
         self._timers: list[tuple[float, int, Ticket, int]] = []  # heap (deadline, arrival, ticket, wait_no)
+        self._live_timers = 0  # entries of `_timers` whose wait is still parked; the rest are dead (`_unpark`)
         self._arrival = itertools.count()
         self._main: greenlet | None = None
         self._jobs: list[tuple[Callable[..., Any], tuple]] = []
@@ -66,18 +68,21 @@ class Turns:
     def run(self) -> None:
         """Run every spawned peer to its end, switching between them at their waits."""
         self._main = greenlet.getcurrent()
-        live = []
+        # Peers left, counted rather than found by a scan of every greenlet on every switch (that
+        # scan was O(peers) per switch, O(peers^2) per round: ~0.5 s of a round per worker at
+        # 5,000 peers per worker, issue 71). A peer only ever switches back to this (main)
+        # greenlet, by `wait` or by ending, so after each switch only the peer just run can have
+        # ended.
+        live = 0
         for fn, args in self._jobs:
             g = greenlet(fn)
-            live.append(g)
             g.switch(*args)  # runs to its first wait (or to its end)
+            live += not g.dead
         self._jobs.clear()
-        while True:
-            live = [g for g in live if not g.dead]
-            if not live:
-                return
+        while live:
             ticket, result = self._next()
             ticket.glet.switch(result)
+            live -= ticket.glet.dead
 
     def _next(self) -> tuple[Ticket, bool]:
         """The next peer to run: one whose timer ran out while parked (False), else the admitted
@@ -94,13 +99,32 @@ class Turns:
                 while self._ready:
                     _, _, ticket, no = heapq.heappop(self._ready)
                     if no is None:  # an admission: its peer is parked by now (only parked peers let this run)
-                        ticket.parked = False
+                        self._unpark(ticket)
                         ticket.admitted -= 1
                         return ticket, True
                     if ticket.parked and ticket.wait_no == no and not ticket.admitted:  # unless admitted meanwhile
-                        ticket.parked = False
+                        self._unpark(ticket)
                         return ticket, False
                 self._wake.wait(self._timers[0][0] - now if self._timers else None)
+
+    def _unpark(self, ticket: Ticket) -> None:
+        """End ``ticket``'s wait (lock held): the timer it may have left in the heap is dead from now.
+
+        Dead timers are dropped when they expire, and all at once when they outnumber the live ones:
+        a reader's timer is its deadline (a week in the simulation), so waits admitted in time would
+        otherwise pile up one dead timer each, for good. (Readers used to cap their timeout at 1 s
+        instead, which woke every parked peer once a second: at 10,000 peers, whose rounds take
+        minutes, that was tens of futile switches per peer and round, issue 71.) Amortized O(1)
+        per wait: a rebuild of m entries follows at least m/2 waits.
+        """
+        ticket.parked = False
+        if ticket.timed:
+            ticket.timed = False
+            self._live_timers -= 1
+            dead = len(self._timers) - self._live_timers
+            if dead > 64 and dead > self._live_timers:
+                self._timers = [t for t in self._timers if t[2].parked and t[2].wait_no == t[3]]
+                heapq.heapify(self._timers)
 
     # -- what the peers call ----------------------------------------------------------------------
     def ticket(self) -> Ticket:
@@ -126,6 +150,8 @@ class Turns:
             if timeout is not None:
                 heapq.heappush(self._timers, (time.monotonic() + timeout, next(self._arrival), ticket,
                                               ticket.wait_no))
+                ticket.timed = True
+                self._live_timers += 1
         admitted = self._main.switch()
         torch.set_grad_enabled(grad)
         return bool(admitted)

@@ -225,3 +225,13 @@ def test_remembered_wire_size_is_the_encoded_size_at_every_round_length() -> Non
             msg = dataclasses.replace(base, round=r, scalars=scalars)
             for chunk in (16, 1 << 20):
                 assert wire_size(msg, chunk) == encode_frames(msg, chunk).wire_bytes, (r, scalars, chunk)
+
+
+def test_remembered_wire_size_is_the_encoded_size_for_every_sender_length() -> None:
+    """The sender enters the remembered size only through its length in bytes (one entry for all the
+    peers of a worker, however many): senders of every length, across the varint boundary at 128."""
+    base = _message(FLOAT)
+    for sender in ("p0", "p9999", "peer-" + "x" * 57, "é" * 70, "p" * 127, "p" * 128, "p" * 300):
+        for r in (0, 5):
+            msg = dataclasses.replace(base, sender=sender, round=r)
+            assert wire_size(msg, 1 << 20) == encode_frames(msg, 1 << 20).wire_bytes, (sender, r)

@@ -339,9 +339,9 @@ def test_a_waiting_peer_gets_its_own_grad_mode_back_whatever_the_others_set() ->
 
 @pytest.mark.timeout(60)
 def test_timers_of_waits_admitted_in_time_leave_even_a_worker_that_is_never_idle() -> None:
-    """A reader waits with a timeout (its deadline, at most 1 s) and is usually admitted first; the
-    timer it leaves behind must go once it expires, also when some peer is always ready to run
-    (one worker holding every peer never idles): else the timer heap grows by one per wait."""
+    """A reader waits with a timeout (its deadline) and is usually admitted first; the timer it
+    leaves behind must go once it expires, also when some peer is always ready to run (one worker
+    holding every peer never idles): else the timer heap grows by one per wait."""
     from p2pfl.turns import Turns
 
     turns = Turns()
@@ -360,6 +360,45 @@ def test_timers_of_waits_admitted_in_time_leave_even_a_worker_that_is_never_idle
     turns.run()
     assert results == [True] * 80  # an admitted wait never reads as a timeout
     assert len(turns._timers) <= 2 and not turns._ready
+
+
+@pytest.mark.timeout(60)
+def test_dead_timers_of_waits_that_never_expire_are_dropped_once_they_outnumber_the_live_ones() -> None:
+    """A simulated reader's timer is its deadline, a week away, and nearly every wait is admitted in
+    time: the dead timers must not pile up (one per wait, for the whole run) while peers wait on."""
+    from p2pfl.turns import Turns
+
+    turns = Turns()
+    results: list[bool] = []
+    sizes: list[int] = []
+
+    def reader(i: int) -> None:
+        with turns.held((0, i)):
+            for _ in range(500):
+                ticket = turns.ticket()
+                turns.admit((1, i), ticket)
+                results.append(turns.wait(ticket, 7 * 24 * 3600.0))
+                sizes.append(len(turns._timers))
+
+    def sleeper() -> None:  # a live timer all along: parked until its (far) timeout, admitted at the end
+        with turns.held((0, 9)):
+            ticket = turns.ticket()
+            waiting.append(ticket)
+            results.append(turns.wait(ticket, 7 * 24 * 3600.0))
+
+    waiting: list = []
+    turns.spawn(sleeper)
+    turns.spawn(reader, 0)
+    turns.spawn(reader, 1)
+
+    def last() -> None:
+        with turns.held((2, 0)):
+            turns.admit((3, 0), waiting[0])
+
+    turns.spawn(last)
+    turns.run()
+    assert results == [True] * 1001
+    assert max(sizes) <= 2 * 66 and turns._live_timers == 0
 
 
 def _msg(sender: str, r: int) -> Message:

@@ -151,7 +151,9 @@ class MemoryHub:
                 remaining = self._collect(keys, deadline, out, sizes, reader, registered, rejected)
             if remaining is None:
                 return out
-            if gate.wait(ticket, min(remaining, 1.0)):
+            # Woken by its last message, an abort, or its deadline: no periodic wake-up (each was a
+            # futile switch of a parked peer, once a second, tens per round at 10,000 peers).
+            if gate.wait(ticket, remaining):
                 continue  # admitted: its messages are stored (or the run aborted)
             with self._lock:  # timed out: stop any wake-up, unless one is already on its way
                 coming = not reader.armed  # disarmed by the store that completed it, or an abort

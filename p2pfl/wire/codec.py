@@ -189,23 +189,26 @@ def wire_size(msg: Message, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     its value does not change the size, except 0, which proto3 leaves out (5 bytes, 1 payload in 2**32).
 
     Remembered per header shape: the round enters the size only through its varint's length (0 is
-    left out), so a peer's messages of one round length share one entry. Building the header was
-    ~80 us per message inside a simulation worker (cold caches), for the same number every round."""
+    left out), and the sender only through its length in bytes, so all peers' messages of one
+    round length share one entry. Building the header was ~80 us per message inside a simulation
+    worker (cold caches), for the same number every round. (Keyed by the sender itself, a worker
+    of more than ~2,000 peers cycled through the whole cache and missed on every message, issue 71.)"""
     count = 0 if msg.indices is None else int(msg.indices.numel())
     r = msg.round
     # the smallest round with r's varint length (r itself when 0, or negative: never on the wire)
     rep = r if r <= 0 else 1 << (7 * ((r.bit_length() - 1) // 7))
     scalars = tuple((str(k), float(v)) for k, v in msg.scalars.items())
-    return _sized(msg.sender, rep, msg.step, msg.topology_hash, msg.manifest, scalars,
+    return _sized(len(msg.sender.encode("utf-8")), rep, msg.step, msg.topology_hash, msg.manifest, scalars,
                   msg.compression or "none", count, chunk_bytes)
 
 
 @functools.lru_cache(maxsize=4096)
-def _sized(sender: str, round: int, step: int, topology_hash: str, manifest: tuple,
+def _sized(sender_bytes: int, round: int, step: int, topology_hash: str, manifest: tuple,
            scalars: tuple[tuple[str, float], ...], compression: str, count: int, chunk_bytes: int) -> int:
-    """`wire_size` of a header of this shape (``round``: the representative of its varint length)."""
+    """`wire_size` of a header of this shape (``round``: the representative of its varint length;
+    ``sender_bytes``: the sender's length, which a stand-in sender of as many ASCII bytes has)."""
     nbytes = encoded_nbytes(manifest, compression, count)
-    probe = Message(sender, round, step, topology_hash, manifest, torch.empty(0), dict(scalars), compression,
+    probe = Message("p" * sender_bytes, round, step, topology_hash, manifest, torch.empty(0), dict(scalars), compression,
                     None if count == 0 else torch.empty(count, dtype=torch.int64))
     return _frames_bytes(_header(probe, nbytes, 0xFFFFFFFF), nbytes, chunk_bytes)
 
