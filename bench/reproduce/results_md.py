@@ -69,8 +69,18 @@ PERSONALIZED_PS = ("personalized: mean over clients of each client's own model (
 # ------------------------------------------------------------------------------------------------
 # what is planned: the Table 1 sweeps (bench/reproduce/table1/*.yaml)
 
-GRAPHS = (("ring", "Ring"), ("random", "Random"), ("fc", "FC"))
-PIS = (0.1, 0.3, 0.5)
+#: The catalogue (what is planned, what the papers report) is data: bench/reproduce/catalogue.yaml.
+CATALOGUE_FILE = ROOT / "bench" / "reproduce" / "catalogue.yaml"
+
+
+def _tuples(value: Any) -> Any:
+    """YAML lists as tuples, all the way down (the catalogue's definitions are immutable and hashable)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+CATALOGUE: dict[str, Any] = yaml.safe_load(CATALOGUE_FILE.read_text(encoding="utf-8"))
+GRAPHS: tuple[tuple[str, str], ...] = _tuples(CATALOGUE["graphs"])
+PIS: tuple[float, ...] = _tuples(CATALOGUE["pis"])
 
 
 @dataclass(frozen=True)
@@ -81,29 +91,8 @@ class MethodDef:
     variant: str  # "" for the protocol's main reading
 
 
-METHODS = (
-    MethodDef("deprl-epochs", "DePRL", "deprl", "τ = 2 head epochs + 1 representation epoch (main text)"),
-    MethodDef("dispfl", "DisPFL", "dispfl", ""),
-    MethodDef("dpsgd", "D-PSGD", "dpsgd", ""),
-    MethodDef("deprl-steps", "DePRL (literal)", "deprl", "τ = 2 head steps + 1 representation step (Algorithm 1)"),
-    # diagnostics of the DePRL gap (table1/ring-pi0.{1,5}-diag*.yaml): the epochs reading with another lr schedule only
-    MethodDef("deprl-flatlr", "DePRL (no lr decay)", "deprl", "diagnostic: epochs reading, lr 0.005 / 0.01 without decay"),
-    MethodDef("deprl-dpsgdlr", "DePRL (D-PSGD's lr)", "deprl",
-              "diagnostic: epochs reading, lr 0.05 / 0.1 ×0.998 per round (D-PSGD's schedule)"),
-    # the settings of the authors' public code (table1/ring-pi*-authors.yaml, issue 69; spec 004 §9): 200 rounds,
-    # cnn_small with a 3-layer personal classifier; its D-PSGD cell (case dpsgd) is D-PSGD's protocol on that model
-    MethodDef("deprl-authors", "DePRL (authors' code)", "deprl",
-              "authors' code: lr 0.01 ×0.96, momentum 0.9, clip 10, 3 head + 1 body epochs, 3-layer personal head"),
-    MethodDef("dpsgd-authors", "D-PSGD (authors' optimizer)", "dpsgd",
-              "authors' code: lr 0.01 ×0.96, momentum 0.9, clip 10, 3 local epochs"),
-    # parameter-server baselines on Flower's runtime (table1/ps-*.yaml), DePRL Table 7's columns
-    MethodDef("fedavg", "FedAvg", "fedavg", "parameter server (Flower), D-PSGD's local rule"),
-    MethodDef("fedrep", "FedRep", "fedrep", "parameter server (Flower), DePRL's local rule (epochs reading)"),
-    MethodDef("ditto", "Ditto", "ditto", "parameter server (Flower), FedAvg's local rule + personal model, λ 0.1"),
-    MethodDef("fedrod", "FedRoD", "fedrod", "parameter server (Flower), FedAvg's local rule with the balanced softmax "
-                                             "+ personal head"),
-)
-PS_CASES = ("fedavg", "fedrep", "ditto", "fedrod")
+METHODS = tuple(MethodDef(*m) for m in CATALOGUE["methods"])
+PS_CASES: tuple[str, ...] = _tuples(CATALOGUE["ps_cases"])
 PERSONALIZED_DITTO = ("personalized: mean over clients of each client's own Ditto model v_k on its own test split "
                       "(drawn with its training label mix), last round")
 #: the metric each method's number is (the papers' own: personalized, except FedAvg's single global model)
@@ -114,30 +103,22 @@ METRIC_OF = {"fedavg": GLOBAL_ON_OWN, "fedrep": PERSONALIZED_PS, "ditto": PERSON
              "fedrod": PERSONALIZED_FEDROD}
 METRIC_SHORT = {"fedavg": "global model, own split", "fedrep": "own head + global body, own split",
                 "ditto": "own v_k, own split", "fedrod": "global + own personal head, own split"}  # others: each peer's own model on its own split
-MAIN = ("dpsgd", "dispfl", "deprl-epochs")  # the 27 cells of Table 1, paper order
+MAIN: tuple[str, ...] = _tuples(CATALOGUE["main"])  # the 27 cells of Table 1, paper order
 
-#: DePRL Table 1, Fashion-MNIST (AlexNet) rows, 128 workers, mean ± spread over 4 seeds (spec 004 §4).
-_DEPRL_ROWS = {  # Ring (D-PSGD, DisPFL, DePRL), Random (...), FC (...)
-    0.1: "77.45±0.2 95.74±0.2 96.66±0.2 84.74±0.2 96.59±0.3 97.16±0.2 87.24±0.3 96.76±0.3 97.36±0.2",
-    0.3: "81.95±0.5 91.52±0.3 92.81±0.2 87.76±0.3 93.47±0.3 94.81±0.2 89.80±0.5 93.50±0.2 95.03±0.2",
-    0.5: "84.63±0.2 89.49±0.2 91.36±0.3 88.93±0.5 91.99±0.3 93.55±0.2 90.38±0.4 92.13±0.2 93.87±0.3",
-}
-DEPRL_PAPER: dict[tuple[str, str, float], tuple[float, float]] = {
-    (g, m, pi): (float(v.split("±")[0]), float(v.split("±")[1]))
-    for pi, row in _DEPRL_ROWS.items()
-    for (g, m), v in zip([(g, m) for g, _ in GRAPHS for m in ("dpsgd", "dispfl", "deprl")], row.split(), strict=True)
-}
-PAPER_SOURCE = "DePRL Table 1, Fashion-MNIST rows (AlexNet, 128 workers, mean ± spread over 4 seeds; spec 004 §4)"
-#: DePRL Table 7 (appendix), Fashion-MNIST (AlexNet), Ring: the parameter-server baselines (FedAvg, FedRep,
-#: Ditto, FedRoD); its D-PSGD / DisPFL / DePRL columns are Table 1's Ring column.
-_T7_ROWS = {0.1: "84.19±0.2 94.27±0.4 95.23±0.2 95.93±0.2", 0.3: "86.58±0.3 89.57±0.4 90.82±0.2 92.29±0.5",
-            0.5: "86.89±0.4 88.53±0.4 89.12±0.3 90.92±0.2"}
-PS_METHODS = (("fedavg", "FedAvg"), ("fedrep", "FedRep"), ("ditto", "Ditto"), ("fedrod", "FedRoD"))
-DEPRL_PAPER.update({
-    ("ring", m, pi): (float(v.split("±")[0]), float(v.split("±")[1]))
-    for pi, row in _T7_ROWS.items() for (m, _), v in zip(PS_METHODS, row.split(), strict=True)
-})
-T7_SOURCE = "DePRL Table 7, Fashion-MNIST rows (AlexNet, Ring, 128 workers, mean ± spread over 4 seeds; spec 004 §4)"
+def _paper_cells(rows: dict[float, str], columns: Sequence[tuple[str, str]]) -> dict[tuple[str, str, float], tuple[float, float]]:
+    """A paper table's ``"mean±spread"`` rows per pi as (graph, method, pi) -> (mean, spread)."""
+    return {(g, m, pi): (float(v.split("±")[0]), float(v.split("±")[1]))
+            for pi, row in rows.items() for (g, m), v in zip(columns, row.split(), strict=True)}
+
+
+_T1, _T7 = CATALOGUE["paper"]["deprl_table1"], CATALOGUE["paper"]["deprl_table7"]
+#: DePRL Table 1 (Fashion-MNIST, AlexNet, 128 workers, spec 004 §4): Ring, Random, FC x (D-PSGD, DisPFL, DePRL)
+DEPRL_PAPER = _paper_cells(_T1["rows"], [(g, m) for g, _ in GRAPHS for m in ("dpsgd", "dispfl", "deprl")])
+PAPER_SOURCE: str = _T1["source"]
+#: DePRL Table 7 (appendix), Ring: the parameter-server baselines; its other columns are Table 1's Ring column
+PS_METHODS: tuple[tuple[str, str], ...] = _tuples(_T7["methods"])
+DEPRL_PAPER.update(_paper_cells(_T7["rows"], [("ring", m) for m, _ in PS_METHODS]))
+T7_SOURCE: str = _T7["source"]
 
 
 @dataclass(frozen=True)
@@ -174,24 +155,8 @@ def first_evidence(names: Sequence[str], cell: str, rounds: int) -> Evidence | N
     return next((e for e in found if e is not None and e.rounds == rounds), None)
 
 
-def split(stem: str) -> tuple[str, str, str]:
-    """A Table 1 group's three files: DePRL (3 seeds), then seed 0 of every other method, then their seeds 1-2."""
-    return (stem, f"{stem}-seed0", f"{stem}-seeds12")
-
-
-#: Extra sweep files pooled into a group: diagnostics that are not Table 1 cells (their own method rows).
-EXTRA_FILES = {("ring", 0.1): ("ring-pi0.1-diag", "ring-pi0.1-diag-seed1"), ("ring", 0.5): ("ring-pi0.5-diag",)}
-SWEEPS = tuple(SweepDef(split(f"{g}-pi{pi}") + EXTRA_FILES.get((g, pi), ()), "deprl-t1", g, pi)
-               for g, _ in GRAPHS for pi in PIS) + (
-    SweepDef(("smoke-ring-pi0.1", "smoke-ring-pi0.1-seeds12"), "deprl-t1-smoke", "ring", 0.1),
-) + tuple(SweepDef((f"ps-ring-pi{pi}",), "deprl-t7", "ring", pi) for pi in PIS) + (
-    SweepDef(("ps-smoke-ring-pi0.1", "ps-smoke-ring-pi0.1-ditto", "ps-smoke-ring-pi0.1-fedrod"), "deprl-t7-smoke",
-             "ring", 0.1),
-    # the paper's model, on a lent GPU only (run_gpu.sh): the same Ring pi 0.1 cells with AlexNet
-    SweepDef(split("alexnet-ring-pi0.1"), "deprl-t1-alexnet", "ring", 0.1, "alexnet"),
-) + tuple(  # the authors' code's settings (issue 69): DePRL, D-PSGD under its optimizer, D-PSGD's protocol; 200 rounds
-    SweepDef((f"ring-pi{pi}-authors",), "deprl-t1-authors", "ring", pi) for pi in PIS
-)
+SWEEPS = tuple(SweepDef(files=_tuples(d["files"]), table=d["table"], graph=d["graph"], pi=d["pi"],
+                        model=d.get("model", "cnn_small")) for d in CATALOGUE["sweeps"])
 
 CLAIMS_DIR = ROOT / "bench" / "reproduce" / "claims"
 
@@ -226,54 +191,28 @@ class ClaimDef:
         return " > ".join(label for _, label in self.ranking)
 
 
-_DFEDADMM = ClaimDef("dfedadmm", "dfedadmm-t1", AVERAGED, (("dfedadmm", "DFedADMM"), ("dfedavg", "DFedAvg")),
-                     (("random-pull-100", (80.50, 77.56)),),
-                     "DFedADMM Table 1, CIFAR-10 Dir 0.3 (LeNet-style CNN, 500 rounds, 5 epochs; spec 002 §5)")
-_DFEDPGP = ClaimDef("dfedpgp", "dfedpgp-t6", PERSONALIZED, (("dfedpgp", "DFedPGP"), ("dfedavgm", "DFedAvgM")),
-                    (("random-pull-100", (49.16, 41.94)),),
-                    "DFedPGP Table 6, Tiny-ImageNet pathological 10 classes per client (spec 001 §4); here 2 of "
-                    "Fashion-MNIST's 10 classes per peer")
-_DFEDSAM = ClaimDef("dfedsam", "dfedsam-t2", AVERAGED,
-                    (("dfedsam_mgs", "DFedSAM-MGS"), ("dfedsam", "DFedSAM"), ("dfedavg", "DFedAvg")),
-                    (("ring-100", (80.55, 73.19, 69.95)), ("grid-100", (87.39, 85.28, 80.17))),
-                    "DFedSAM Table 2, CIFAR-10 (VGG-11, 1000 rounds, 5 epochs; partition not stated; spec 003 §4.2)")
-_DFEDMDC = ClaimDef("dfedmdc", "dfedmdc-t2", PERSONALIZED,
-                    (("dfedsmdc", "DFedSMDC"), ("dfedmdc", "DFedMDC"), ("dfedavgm", "DFedAvgM"), ("local", "Local")),
-                    (("random-pull-100", (87.67, 86.50, 82.60, 63.20)),),
-                    "DFedMDC Table 2, CIFAR-10 Dir 0.3 (ResNet-18, 500 rounds, 5 epochs; spec 000 §5)",
-                    (("dfedsmdc-rho0.05", "DFedSMDC (ρ 0.05)", "dfedsmdc"),))
-#: DFedMDC's last step, DFedAvgM > Local, with the paper's numbers of those two cases (its -long300/-long500 files)
-_DFEDMDC_LAST_STEP = replace(_DFEDMDC, ranking=_DFEDMDC.ranking[2:], variants=(),
-                             paper=tuple((setting, accs[2:]) for setting, accs in _DFEDMDC.paper))
+_METRICS = {"averaged": AVERAGED, "personalized": PERSONALIZED}
+
+
+def _claims(entries: Sequence[dict[str, Any]]) -> tuple[ClaimDef, ...]:
+    """The catalogue's claims; an entry with ``like: FILE`` is that earlier claim with the keys it sets."""
+    seen: dict[str, ClaimDef] = {}
+    for d in entries:
+        d = dict(d)
+        base = seen[d.pop("like")] if "like" in d else None
+        if "metric" in d:
+            d["metric"] = _METRICS[d["metric"]]
+        fields = {k: _tuples(v) for k, v in d.items()}
+        claim = replace(base, **fields) if base is not None else ClaimDef(**fields)
+        seen[claim.file] = claim
+    return tuple(seen.values())
+
+
 #: The other papers' claims (bench/reproduce/claims/*.yaml), 3 seeds each, each with its paper's metric.
 #: A ``-long`` file is the same claim at more rounds (all of the shorter file's cells, or some: fewer settings,
 #: or a consecutive part of the ranking with its paper numbers), ``-e5`` at 5 local epochs (each its own sweep
 #: file, its own evidence folder).
-CLAIMS = (
-    _DFEDADMM,
-    replace(_DFEDADMM, file="dfedadmm-long"),
-    *(replace(_DFEDADMM, file=f"dfedadmm-long{rounds}") for rounds in (200, 300, 400, 500)),
-    replace(_DFEDADMM, file="dfedadmm-e5", protocol="5 local epochs",
-            variants=(("dfedadmm-clip10", "DFedADMM (clip 10)", "dfedadmm"),)),
-    _DFEDSAM,
-    replace(_DFEDSAM, file="dfedsam-long"),
-    replace(_DFEDSAM, file="dfedsam-e5", protocol="5 local epochs"),
-    # run longer on the grid only: the ring's 5-epoch curves had flattened at 50 rounds
-    replace(_DFEDSAM, file="dfedsam-e5-long", protocol="5 local epochs",
-            paper=tuple(p for p in _DFEDSAM.paper if p[0] == "grid-100")),
-    # the 50-round file also runs the rest of spec 000's rho sweep (0.1, 0.3); its -long files run 0.05 and 0.7
-    replace(_DFEDMDC, variants=_DFEDMDC.variants + (("dfedsmdc-rho0.1", "DFedSMDC (ρ 0.1)", "dfedsmdc"),
-                                                    ("dfedsmdc-rho0.3", "DFedSMDC (ρ 0.3)", "dfedsmdc"))),
-    replace(_DFEDMDC, file="dfedmdc-long"),
-    replace(_DFEDMDC, file="dfedmdc-long200"),
-    # its last step only: at 200 rounds DFedAvgM still rose and was level with Local; the others had settled;
-    # then at the paper's 500 rounds, where at 300 DFedAvgM still rose
-    replace(_DFEDMDC_LAST_STEP, file="dfedmdc-long300"),
-    replace(_DFEDMDC_LAST_STEP, file="dfedmdc-long500"),
-    _DFEDPGP,
-    replace(_DFEDPGP, file="dfedpgp-long"),
-    replace(_DFEDPGP, file="dfedpgp-long200"),
-)
+CLAIMS = _claims(CATALOGUE["claims"])
 
 
 # ------------------------------------------------------------------------------------------------
