@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from p2pfl.checkpoint import load_checkpoint, save_checkpoint
 from p2pfl.config import load_config
 from p2pfl.data import load_dataset
 from p2pfl.models import build_model
@@ -65,19 +66,22 @@ def test_a_diverged_peer_is_named_and_the_others_are_scored_apart(tmp_path: Path
     assert healthy["nonfinite_peers"] == [] and "acc_finite_peers" not in healthy
 
     # the reference: set p2 to the mean of p0, p1 and p3, so that x̄ of all four equals their mean, and score it
+    # p2's checkpoint is rewritten the way its peer would write it (save_checkpoint: its own checksum)
     path = run / "checkpoints" / "p2.npz"
-    with np.load(path, allow_pickle=False) as z:
-        arrays = {k: z[k].copy() for k in z.files}
+    state, rng, meta = load_checkpoint(path)
+    gen = torch.Generator()
+    gen.set_state(rng)
+    meta = {k: v for k, v in meta.items() if k not in ("format", "peer", "round", "scalars", "crc32")}
     flats = []
     for pid in ("p0", "p1", "p3"):
         with np.load(run / "checkpoints" / f"{pid}.npz", allow_pickle=False) as z:
             flats.append(z["params"].astype(np.float64))
-    arrays["params"] = np.mean(flats, axis=0).astype(arrays["params"].dtype)  # p2 := the others' mean
-    np.savez(path, **arrays)
+    state.params = torch.from_numpy(np.mean(flats, axis=0).astype(np.float32))  # p2 := the others' mean
+    save_checkpoint(path, state, gen, meta)
     others = averaged_model_accuracy(run)  # the mean of 4 where p2 is the mean of 3 = the mean of those 3
 
-    arrays["params"][:5] = np.nan  # p2 diverged
-    np.savez(path, **arrays)
+    state.params[:5] = float("nan")  # p2 diverged
+    save_checkpoint(path, state, gen, meta)
     got = averaged_model_accuracy(run)
     assert got["nonfinite_peers"] == ["p2"] and got["peers"] == 4
     assert got["loss"] is None  # x̄ itself is not finite: no loss to write
