@@ -26,6 +26,7 @@ from p2pfl.models.layout import ParamLayout
 from p2pfl.peerapp import PeerApp
 from p2pfl.topology import MixingPlan, Topology
 from p2pfl.transport.base import Transport
+from p2pfl.transport.progress import catch_up_target
 from p2pfl.wire.pipeline import PayloadPipeline
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,10 @@ class Node:
         self._fast_forward_from: int | None = None
         self._resumed_at = -1
         self._short = False  # push-sum: some in-neighbour's share did not arrive in the last step
+        # Catch-up (docs/protocol.md): in-neighbours to ask for evidence of their progress at the start
+        # of the next round -- those whose payload did not arrive in the last one, or all after a restart.
+        self._probe: set[str] = set()
+        self._probe_all = False
 
     # -- resume ------------------------------------------------------------------------------
     def resume(self) -> bool:
@@ -121,47 +126,42 @@ class Node:
         return True
 
     def rejoin(self) -> None:
-        """After a restart: ask the neighbours where they are; fast-forward if they left the window.
+        """After a restart: the first round asks every in-neighbour for evidence of where it is.
 
-        Neighbours within ``window`` rounds still serve the rounds this peer needs (and wait for its
-        payloads within their deadline), so it simply replays from its checkpoint. Further behind,
-        it adopts the most advanced neighbour's round (docs/protocol.md, "Rejoin"); the skipped
-        rounds are not trained and not recorded, and its next record says ``fast_forward_from``.
+        It does not believe their Status answers (a claim): the catch-up pulls the payload of the
+        round a neighbour names and moves only on what passed validation (`catch_up`). Pull mode
+        replays from the checkpoint while its in-neighbours are within ``window`` rounds (they still
+        serve what it needs); push-sum replays its resumed round first (recovery) in any case.
         """
-        if self.algorithm.mode == "push":
-            return  # push-sum replays its resumed round first (recovery), then catches up (catch_up)
-        rounds = self.transport.neighbour_rounds(self.protocol.probe_s)
-        if not rounds:
-            return
-        ahead = max(rounds.values())
-        if ahead - self.state.round > self.protocol.window and ahead < self.rounds:
-            log.warning("%s: neighbours are at round %d (%s); fast-forwarding from round %d", self.peer_id, ahead,
-                        ",".join(f"{p}={r}" for p, r in sorted(rounds.items())), self.state.round)
-            self._fast_forward_from = self.state.round
-            self.state.round = ahead
+        self._probe_all = True
 
     def catch_up(self) -> None:
-        """Fast-forward to the round a neighbour already asks for, if it is past this peer's round.
+        """Fast-forward to where the in-neighbours proved to be, if this peer fell behind them.
 
-        At the start of round r, a neighbour that depends on this peer at round r (pulls from it,
-        or pushes to it) cannot ask for a later round unless it gave up waiting for this peer: it
-        needs this peer's round-r payload, or the fate of its round-r push, to finish round r. So
-        this never fires without a fault; after one (a late start, a stall) it puts the lagging
-        peer back in step at once instead of one deadline per round behind.
+        Evidence only (``p2pfl/transport/progress.py``): the rounds of payloads from in-neighbours
+        that passed validation -- pushes taken into the inbox, pulled payloads -- never a round a
+        request or a Status answer claims. A strict majority of the round's in-neighbours must have
+        proved a later round (``majority_round``); push mode moves on any such proof (an in-neighbour
+        finishes round r only after this peer's round r decided its push, or after a fault), pull mode
+        only beyond ``window`` (closer in-neighbours still serve this peer's rounds). Without a fault
+        it never fires, and it asks nobody: only in-neighbours whose payload did not arrive in the
+        last round (or all of them after a restart) are asked for evidence, within ``probe_s``.
         """
-        asked = self.transport.requested_rounds()
-        if not asked or (self.algorithm.mode == "push"
-                         and self.state.round in (self._resumed_at, self.transport.resumed_round())):
+        r = self.state.round
+        push = self.algorithm.mode == "push"
+        if push and r in (self._resumed_at, self.transport.resumed_round()):
             return  # push-sum replays its resumed round first: it may recover a push lost in the restart
-        plan = self.topology.plan(self.peer_id, self.state.round, 0, seed=self.seed, mode=self.algorithm.mode)
-        needs_me = plan.out_weights if plan.mode == "pull" else plan.in_weights
-        # The least advanced of them: one that still waits for this round gets it replayed.
-        target = min((asked[p] for p in needs_me if p in asked), default=-1)
-        if self.state.round < target < self.rounds:
-            log.warning("%s: a neighbour is already at round %d; fast-forwarding from round %d",
-                        self.peer_id, target, self.state.round)
+        plan = self.topology.plan(self.peer_id, r, 0, seed=self.seed, mode=self.algorithm.mode)
+        ins = sorted(plan.in_weights)
+        probe = ins if self._probe_all else sorted(self._probe & set(ins))
+        self._probe_all, self._probe = False, set()
+        proven = self.transport.proven_rounds(ins, probe, self.protocol.probe_s)
+        target = catch_up_target(r, proven, ins, push=push, window=self.protocol.window, rounds=self.rounds)
+        if target is not None:
+            log.warning("%s: in-neighbours proved round %d (%s); fast-forwarding from round %d", self.peer_id,
+                        target, ",".join(f"{p}={proven[p]}" for p in ins if p in proven), r)
             if self._fast_forward_from is None:
-                self._fast_forward_from = self.state.round
+                self._fast_forward_from = r
             self.state.round = target
 
     def _withhold(self, plan: MixingPlan) -> bool:
@@ -183,7 +183,7 @@ class Node:
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> PeerState:
         while self.state.round < self.rounds and not self.stop.is_set():
-            if not self.protocol.asynchronous:
+            if not self.protocol.asynchronous or self._probe_all:  # async: only where a restart left it
                 self.catch_up()
             self.run_round(self.state.round)
         if self.state.round >= self.rounds:
@@ -274,6 +274,7 @@ class Node:
             sent += res.bytes_sent
             recv += res.bytes_recv
             missing.update(res.missing)
+        self._probe = set(missing)  # whom the next round's catch-up asks for evidence of progress
 
         self.state.round = r + 1
         rec: dict[str, Any] = {"round": r, "peer": self.peer_id}

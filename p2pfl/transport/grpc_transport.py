@@ -37,6 +37,7 @@ from p2pfl.topology import MixingPlan, Topology
 from p2pfl.transport.base import ExchangeResult, Transport, TransportError
 from p2pfl.transport.grpc_service import (
     ABSORBED_MD,
+    EVIDENCE_MD,
     GIVEN_MD,
     KEEP_MD,
     PULL_METHOD,
@@ -363,13 +364,17 @@ class GrpcTransport(Transport):
             job.cancel()
             return None, 0, "the pull did not finish by the deadline"
 
-    def _pull_one(self, peer: str, round: int, step: int, deadline: float) -> tuple[Message | None, int, str]:
+    def _pull_one(self, peer: str, round: int, step: int, deadline: float,
+                  evidence: bool = False) -> tuple[Message | None, int, str]:
         """Pull (round, step) from ``peer``: (message or None, wire bytes read, reason when None).
 
         UNAVAILABLE (connection lost, neighbour restarting, or the round too far ahead of it) is
         retried with jittered exponential backoff until the deadline; every other status is final.
+        A payload that passed validation is evidence that ``peer`` reached ``round`` (`Progress`).
+        ``evidence``: ask a push-mode peer for its published payload (not a recovery; never mixed).
         """
         nbr = self._neighbour(peer)
+        md = ((EVIDENCE_MD, "1"),) if evidence else None
         req = peer_pb2.PullRequest(requester=self.peer_id, round=round, step=step, topology_hash=self.topology_hash)
         exp = Expectation(
             specs=self.expected_specs, round=round, step=step, topology_hash=self.topology_hash,
@@ -381,11 +386,13 @@ class GrpcTransport(Transport):
         attempt = 0
         while (left := deadline - time.monotonic()) > 0:
             dec = Decoder(exp)
-            call = nbr.pull(req, timeout=left, wait_for_ready=True)
+            call = nbr.pull(req, timeout=left, wait_for_ready=True, metadata=md)
             try:
                 for item in call:
                     dec.feed(item)
-                return dec.finish(), nbytes + dec.wire_bytes, ""
+                msg = dec.finish()
+                self.server.progress.saw(peer, msg.round)
+                return msg, nbytes + dec.wire_bytes, ""
             except WireError as e:
                 call.cancel()
                 return None, nbytes + dec.wire_bytes, f"payload rejected ({e.code}): {e.message}"
@@ -403,6 +410,7 @@ class GrpcTransport(Transport):
                        withhold: bool = False) -> ExchangeResult:
         self.server.set_round(message.round)
         payload = encode_frames(message, self.chunk_bytes)
+        self.server.publish(message, payload)  # served to evidence Pulls only (a lagging receiver's proof)
         tag = f"round {message.round} step {message.step}"
         with self._lock:
             claims = {k: self._given.get(k, 0.0) for k in plan.out_weights}
@@ -611,25 +619,29 @@ class GrpcTransport(Transport):
 
     # ---- rejoin ------------------------------------------------------------------------------
 
-    def requested_rounds(self) -> dict[str, int]:
-        return self.server.requested_rounds()
-
     def resumed_round(self) -> int:
         return self._resumed_round
 
-    def neighbour_rounds(self, timeout_s: float) -> dict[str, int]:
-        """Status of every possible neighbour, in parallel, each bounded by ``timeout_s``; the reachable ones' rounds."""
-        peers = sorted(self.topology.possible_in_neighbours(self.peer_id)
-                       | self.topology.possible_out_neighbours(self.peer_id))
+    def proven_rounds(self, peers: Iterable[str], probe: Iterable[str], timeout_s: float) -> dict[str, int]:
+        """Per peer of ``peers``, the highest round of a validated payload from it; those in ``probe``
+        are asked first (in parallel, each bounded by ``timeout_s``): `_prove`."""
+        asked = sorted(set(probe))
+        if asked:
+            list(self._pool.map(lambda p: self._prove(p, timeout_s), asked))
+        return self.server.progress.rounds(peers)
 
-        def ask(p: str) -> int | None:
-            try:
-                return int(self.status(p, timeout_s).round)
-            except grpc.RpcError:
-                return None
-
-        rounds = dict(zip(peers, self._pool.map(ask, peers), strict=True))
-        return {p: r for p, r in rounds.items() if r is not None}
+    def _prove(self, peer: str, timeout_s: float) -> None:
+        """Ask ``peer`` where it is (Status: a claim, used only as where to look), then pull that
+        round's payload (its step 0): once it passes validation it is evidence (`Progress`). A peer
+        that claims a round it never published proves nothing; one that does not answer, neither."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            claimed = int(self.status(peer, timeout_s, wait_for_ready=False).round)
+        except grpc.RpcError:
+            return
+        if claimed <= self.server.round or (self.final_round is not None and claimed > self.final_round):
+            return  # not ahead (nothing to prove), or finished (no round of the run to move to)
+        self._pull_one(peer, claimed, 0, deadline, evidence=True)
 
     def _note_mixed(self, peer: str, round: int, step: int) -> None:
         """Append (fsync'd) that ``peer`` mixed this peer's (round, step) push: it survives a kill."""
