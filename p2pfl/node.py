@@ -27,15 +27,12 @@ from p2pfl.peerapp import PeerApp
 from p2pfl.topology import MixingPlan, Topology
 from p2pfl.transport.base import Transport
 from p2pfl.transport.progress import catch_up_target
+from p2pfl.transport.pushsum import MU_FLOOR, debit, withholds
 from p2pfl.wire.pipeline import PayloadPipeline
 
 log = logging.getLogger(__name__)
 
 Recorder = Callable[[dict[str, Any]], None]
-
-#: Push-sum: below this weight (the mean is 1), a peer short of an in-neighbour's share keeps its
-#: whole share instead of pushing (``Node._withhold``); mu then stays above W[i,i] * MU_FLOOR.
-MU_FLOOR = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +118,7 @@ class Node:
         rec = meta.get("record")
         self.resumed_record = rec if isinstance(rec, dict) else None
         self.transport.restore_ledger(meta.get("ledger"))  # push-sum running totals of this very state
+        self._short = bool(meta.get("short", False))  # push-sum: withholds as its uninterrupted self would
         self._resumed_at = state.round
         log.info("%s: resumed from checkpoint at round %d", self.peer_id, state.round)
         return True
@@ -173,8 +171,24 @@ class Node:
         everything (mass is conserved: nobody absorbs what it keeps). Never fires without a fault,
         so fault-free runs are bitwise the simulation's.
         """
-        return (plan.mode == "push" and self._short and self.transport.can_withhold
-                and MU in self.state.scalars and float(self.state.scalars[MU]) < MU_FLOOR)
+        return (plan.mode == "push" and self.transport.can_withhold and MU in self.state.scalars
+                and withholds(float(self.state.scalars[MU]), self._short))
+
+    def _settle(self, amount: float, self_weight: float, last: bool) -> float:
+        """Add a ledger settlement to mu (mu only: the de-biased model z = u / mu stays as it is, so the
+        weight comes back or goes without a jolt to the model); returns what was applied.
+
+        A debit goes only down to ``self_weight * MU_FLOOR`` (`pushsum.debit`): the rest is handed back
+        to the transport, owed by this peer alone and applied with a later settlement, so no fault
+        interleaving can drive a weight to zero (DFedPGP's body step is lr / mu)."""
+        mu = float(self.state.scalars[MU])
+        applied, deferred = debit(mu, amount, self_weight * MU_FLOOR, last=last)
+        if deferred:
+            self.transport.defer_settlement(deferred)
+            log.warning("%s: %.6g of push-sum weight owed; deferred to keep mu above the floor", self.peer_id,
+                        -deferred)
+        self.state.scalars[MU] = mu + applied
+        return applied
 
     def _evaluated(self, r: int) -> bool:
         """Whether round ``r`` is evaluated: every ``eval_every`` rounds and the last."""
@@ -266,11 +280,8 @@ class Node:
             self.algorithm.combine(self.state, r, step, msg, res.received, plan)
             if plan.mode == "push":
                 self._short = bool(res.missing or res.withheld)
-                if res.mu_settle:
-                    # The ledger's repair of a restart (docs/protocol.md): mu only, so the de-biased
-                    # model z = u / mu stays as it is and the weight comes back without a jolt.
-                    self.state.scalars[MU] = float(self.state.scalars[MU]) + res.mu_settle
-                    settled += res.mu_settle
+                if res.mu_settle:  # the ledger's repair of a restart (docs/protocol.md)
+                    settled += self._settle(res.mu_settle, plan.self_weight, r + 1 == self.rounds)
             sent += res.bytes_sent
             recv += res.bytes_recv
             missing.update(res.missing)
@@ -306,12 +317,12 @@ class Node:
         ):
             late = self.transport.late_settlement() if self.algorithm.mode == "push" else 0.0
             if late:  # e.g. a push mixed here whose OK could not be sent: its share goes back (mu only)
-                self.state.scalars[MU] = float(self.state.scalars[MU]) + late
-                rec["mu_settled"] = rec.get("mu_settled", 0.0) + late
+                sw = self.topology.plan(self.peer_id, r, 0, seed=self.seed, mode="push").self_weight
+                rec["mu_settled"] = rec.get("mu_settled", 0.0) + self._settle(late, sw, r + 1 == self.rounds)
                 rec["mu"] = float(self.state.scalars[MU])
             ledger = self.transport.ledger_state()  # push-sum running totals, consistent with this state
-            save_checkpoint(self.checkpoint_path, self.state, self.generator,
-                            meta={"record": rec, **({"ledger": ledger} if ledger is not None else {})},
+            extra = {"ledger": ledger, "short": self._short} if ledger is not None else {}
+            save_checkpoint(self.checkpoint_path, self.state, self.generator, meta={"record": rec, **extra},
                             durable=self.durable_checkpoints)
         self.record(rec)
         if self.on_round is not None:

@@ -74,6 +74,11 @@ class Transport(ABC):
         sent), for the node to add to its mu before it checkpoints (0 by default)."""
         return 0.0
 
+    def defer_settlement(self, amount: float) -> None:
+        """Take back a settlement the node could not apply yet (``pushsum.debit``): it comes again with
+        the next exchange's (or checkpoint's) settlement. Only a transport that settles gets one."""
+        raise NotImplementedError(f"{type(self).__name__} settles nothing")
+
     def restore_ledger(self, ledger: dict | None) -> None:
         """Restore the running totals of the checkpoint being resumed (nothing by default)."""
         return None

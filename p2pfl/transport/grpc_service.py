@@ -44,6 +44,7 @@ from p2pfl.transport.limits import (
     safe_deserializer,
 )
 from p2pfl.transport.progress import Progress
+from p2pfl.transport.pushsum import claim_credit
 from p2pfl.wire.codec import DEFAULT_CHUNK_BYTES, Decoder, EncodedPayload, RawData, encode_frames, parse_frame
 from p2pfl.wire.compress import WireFormat
 from p2pfl.wire.validate import Expectation, Reason, WireError, excerpt
@@ -206,6 +207,8 @@ class PeerServer:
         # the catch-up believes (never the round a request claims; docs/protocol.md, "Catching up").
         self.progress = Progress()
         self._given: dict[str, tuple[int, dict[int, EncodedPayload]]] = {}  # push mode: last round mixed by each
+        # push mode: (receiver, round, step) of every OK this peer heard, durable (its pushes log)
+        self.given_keys: set[tuple[str, int, int]] | frozenset[tuple[str, int, int]] = frozenset()
         self._recovering: set[tuple[str, int, int]] = set()  # keys a restarted peer is asking its senders for
         # Push-sum ledger, receiver side: per sender, the running total of mu it absorbed (checkpointed
         # with the state); the sender's claimed running total per waiting push; the total after each
@@ -471,6 +474,9 @@ class PeerServer:
             held = self._given.get(caller)
             if held is not None and held[0] == r and s in held[1]:
                 return held[1][s]
+            if (caller, r, s) in self.given_keys:  # given (its OK is logged), the payload no longer held
+                return _Rejected(grpc.StatusCode.ALREADY_EXISTS, f"round {r} step {s} was given to {caller!r} "
+                                 "(its share left this peer); the payload is no longer held")
             if r < self._round:
                 return _Rejected(grpc.StatusCode.ABORTED, f"round {r} step {s} was not given to {caller!r}: "
                                  "its share stayed with this peer")
@@ -552,9 +558,10 @@ class PeerServer:
         j, r, s = key
         total = self._absorbed.get(j, 0.0)
         claim = self._claims.pop(key, None)
-        if claim is not None and claim > total and j not in self.held_claims:
-            self._settled[j] = self._settled.get(j, 0.0) + (claim - total)
-            total = claim
+        credit = 0.0 if j in self.held_claims else claim_credit(claim, total)
+        if credit:
+            self._settled[j] = self._settled.get(j, 0.0) + credit
+            total = claim  # exactly the sender's total (not a sum that may round): A = G again
         share = self._plan(r, s).in_weights.get(j, 0.0) * float(msg.scalars.get("mu", 0.0))
         total = total + share
         self._absorbed[j] = total
@@ -576,10 +583,10 @@ class PeerServer:
         if self.mode != "push" or sender in self.held_claims:
             return
         with self._cond:
-            have = self._absorbed.get(sender, 0.0)
-            if claim > have:
+            credit = claim_credit(claim, self._absorbed.get(sender, 0.0))
+            if credit:
                 self._absorbed[sender] = claim
-                self._settled[sender] = self._settled.get(sender, 0.0) + (claim - have)
+                self._settled[sender] = self._settled.get(sender, 0.0) + credit
 
     def _unanswered(self, key: tuple[str, int, int]) -> None:
         """A push was mixed but its call ended before the OK could be sent (this peer stalled, or the
