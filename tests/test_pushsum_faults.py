@@ -277,6 +277,55 @@ def test_a_receiver_restarted_while_its_senders_are_gone_restores_what_it_mixed_
         assert now == pytest.approx({j: checkpoint["absorbed"][j] + w for j, w in plan.in_weights.items()}, abs=1e-12)
 
 
+def test_a_restarted_receiver_does_not_restore_a_push_whose_sender_kept_the_share(
+        certs_dir: Path, tmp_path: Path) -> None:
+    """Issue 68's sum mu = 4.5, in process: p1 mixed p0's round-1 push (logged before the OK) but the OK
+    never reached p0 (p1 killed between the log's fsync and the send), so p0 kept the share and moved
+    on. p1 restarts from its round-1 checkpoint: its recovery Pull asks p0, which answers ABORTED (no OK
+    in its durable log, past the round): that share is *not* restored from the write-ahead log -- before,
+    both counted it. p2 is gone (no answer): its share is restored, as before."""
+    from p2pfl.security import TLSConfig
+    from p2pfl.transport.grpc_service import PeerServer
+    from p2pfl.transport.grpc_transport import GrpcTransport
+
+    topo = ring(4)
+    mu = {"mu": 1.0}
+    log = tmp_path / "p1.pushes"
+
+    def start_p1(c: Cluster, round: int) -> None:
+        tls = TLSConfig.load(certs_dir, "p1")
+        s = PeerServer()
+        s.start(topo.address("p1"), topo, "p1", expected_specs=SPECS, scalar_keys=("mu",), mode="push", tls=tls,
+                chunk_bytes=CHUNK, max_message_mb=1)
+        s.set_round(round)
+        c.servers["p1"] = s
+        c.transports["p1"] = GrpcTransport("p1", topo, s, tls=tls, network_cfg=CFG_TLS, expected_specs=SPECS,
+                                           scalar_keys=("mu",), pushes_log=log)
+
+    with cluster(topo, ["p0", "p2", "p3"], certs_dir, mode="push", scalar_keys=("mu",)) as c:
+        start_p1(c, 0)
+        c.exchange_all({p: message(topo, p, 0, scalars=mu) for p in topo.ids})
+        checkpoint = c.transports["p1"].ledger_state()
+        res = c.exchange_all({p: message(topo, p, 1, scalars=mu) for p in topo.ids})
+        assert all(not x.missing and not x.undelivered for x in res.values())
+        # p0 never heard p1's OK: it holds no record of having given its round-1 push, and is past it
+        c.servers["p0"]._given.pop("p1", None)
+        c.servers["p0"].set_round(2)
+        for p in ("p1", "p2"):
+            c.transports.pop(p).close()
+            c.servers.pop(p).stop(0)
+        start_p1(c, 1)
+        c.transports["p1"].restore_ledger(checkpoint)
+        plan = topo.plan("p1", 1, 0, mode="push")
+        again = c.transports["p1"].exchange(message(topo, "p1", 1, scalars=mu), plan, 3.0)
+        assert sorted(again.missing) == ["p0", "p2"]
+        assert checkpoint is not None
+        assert again.mu_settle == pytest.approx(plan.in_weights["p2"], abs=1e-12)  # p2's share only
+        now = c.transports["p1"].server.absorbed()
+        assert now["p0"] == checkpoint["absorbed"]["p0"]  # p0 kept it: not counted here too
+        assert now["p2"] == pytest.approx(checkpoint["absorbed"]["p2"] + plan.in_weights["p2"], abs=1e-12)
+
+
 def test_a_finished_receiver_serves_on_until_a_sender_replaying_its_last_round_has_finished(
         certs_dir: Path) -> None:
     """The CI failure of 7382d4c, in process: p1 is killed after its receivers mixed its last-round
