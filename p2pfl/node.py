@@ -26,15 +26,13 @@ from p2pfl.models.layout import ParamLayout
 from p2pfl.peerapp import PeerApp
 from p2pfl.topology import MixingPlan, Topology
 from p2pfl.transport.base import Transport
+from p2pfl.transport.progress import catch_up_target
+from p2pfl.transport.pushsum import MU_FLOOR, debit, withholds
 from p2pfl.wire.pipeline import PayloadPipeline
 
 log = logging.getLogger(__name__)
 
 Recorder = Callable[[dict[str, Any]], None]
-
-#: Push-sum: below this weight (the mean is 1), a peer short of an in-neighbour's share keeps its
-#: whole share instead of pushing (``Node._withhold``); mu then stays above W[i,i] * MU_FLOOR.
-MU_FLOOR = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +103,10 @@ class Node:
         self._fast_forward_from: int | None = None
         self._resumed_at = -1
         self._short = False  # push-sum: some in-neighbour's share did not arrive in the last step
+        # Catch-up (docs/protocol.md): in-neighbours to ask for evidence of their progress at the start
+        # of the next round -- those whose payload did not arrive in the last one, or all after a restart.
+        self._probe: set[str] = set()
+        self._probe_all = False
 
     # -- resume ------------------------------------------------------------------------------
     def resume(self) -> bool:
@@ -119,52 +121,48 @@ class Node:
         rec = meta.get("record")
         self.resumed_record = rec if isinstance(rec, dict) else None
         self.transport.restore_ledger(meta.get("ledger"))  # push-sum running totals of this very state
+        self._short = bool(meta.get("short", False))  # push-sum: withholds as its uninterrupted self would
         self._resumed_at = state.round
         log.info("%s: resumed from checkpoint at round %d", self.peer_id, state.round)
         return True
 
     def rejoin(self) -> None:
-        """After a restart: ask the neighbours where they are; fast-forward if they left the window.
+        """After a restart: the first round asks every in-neighbour for evidence of where it is.
 
-        Neighbours within ``window`` rounds still serve the rounds this peer needs (and wait for its
-        payloads within their deadline), so it simply replays from its checkpoint. Further behind,
-        it adopts the most advanced neighbour's round (docs/protocol.md, "Rejoin"); the skipped
-        rounds are not trained and not recorded, and its next record says ``fast_forward_from``.
+        It does not believe their Status answers (a claim): the catch-up pulls the payload of the
+        round a neighbour names and moves only on what passed validation (`catch_up`). Pull mode
+        replays from the checkpoint while its in-neighbours are within ``window`` rounds (they still
+        serve what it needs); push-sum replays its resumed round first (recovery) in any case.
         """
-        if self.algorithm.mode == "push":
-            return  # push-sum replays its resumed round first (recovery), then catches up (catch_up)
-        rounds = self.transport.neighbour_rounds(self.protocol.probe_s)
-        if not rounds:
-            return
-        ahead = max(rounds.values())
-        if ahead - self.state.round > self.protocol.window and ahead < self.rounds:
-            log.warning("%s: neighbours are at round %d (%s); fast-forwarding from round %d", self.peer_id, ahead,
-                        ",".join(f"{p}={r}" for p, r in sorted(rounds.items())), self.state.round)
-            self._fast_forward_from = self.state.round
-            self.state.round = ahead
+        self._probe_all = True
 
     def catch_up(self) -> None:
-        """Fast-forward to the round a neighbour already asks for, if it is past this peer's round.
+        """Fast-forward to where the in-neighbours proved to be, if this peer fell behind them.
 
-        At the start of round r, a neighbour that depends on this peer at round r (pulls from it,
-        or pushes to it) cannot ask for a later round unless it gave up waiting for this peer: it
-        needs this peer's round-r payload, or the fate of its round-r push, to finish round r. So
-        this never fires without a fault; after one (a late start, a stall) it puts the lagging
-        peer back in step at once instead of one deadline per round behind.
+        Evidence only (``p2pfl/transport/progress.py``): the rounds of payloads from in-neighbours
+        that passed validation -- pushes taken into the inbox, pulled payloads -- never a round a
+        request or a Status answer claims. A strict majority of the round's in-neighbours must have
+        proved a later round (``majority_round``); push mode moves on any such proof (an in-neighbour
+        finishes round r only after this peer's round r decided its push, or after a fault), pull mode
+        only beyond ``window`` (closer in-neighbours still serve this peer's rounds). Without a fault
+        it never fires, and it asks nobody: only in-neighbours whose payload did not arrive in the
+        last round (or all of them after a restart) are asked for evidence, within ``probe_s``.
         """
-        asked = self.transport.requested_rounds()
-        if not asked or (self.algorithm.mode == "push"
-                         and self.state.round in (self._resumed_at, self.transport.resumed_round())):
+        r = self.state.round
+        push = self.algorithm.mode == "push"
+        if push and r in (self._resumed_at, self.transport.resumed_round()):
             return  # push-sum replays its resumed round first: it may recover a push lost in the restart
-        plan = self.topology.plan(self.peer_id, self.state.round, 0, seed=self.seed, mode=self.algorithm.mode)
-        needs_me = plan.out_weights if plan.mode == "pull" else plan.in_weights
-        # The least advanced of them: one that still waits for this round gets it replayed.
-        target = min((asked[p] for p in needs_me if p in asked), default=-1)
-        if self.state.round < target < self.rounds:
-            log.warning("%s: a neighbour is already at round %d; fast-forwarding from round %d",
-                        self.peer_id, target, self.state.round)
+        plan = self.topology.plan(self.peer_id, r, 0, seed=self.seed, mode=self.algorithm.mode)
+        ins = sorted(plan.in_weights)
+        probe = ins if self._probe_all else sorted(self._probe & set(ins))
+        self._probe_all, self._probe = False, set()
+        proven = self.transport.proven_rounds(ins, probe, self.protocol.probe_s)
+        target = catch_up_target(r, proven, ins, push=push, window=self.protocol.window, rounds=self.rounds)
+        if target is not None:
+            log.warning("%s: in-neighbours proved round %d (%s); fast-forwarding from round %d", self.peer_id,
+                        target, ",".join(f"{p}={proven[p]}" for p in ins if p in proven), r)
             if self._fast_forward_from is None:
-                self._fast_forward_from = self.state.round
+                self._fast_forward_from = r
             self.state.round = target
 
     def _withhold(self, plan: MixingPlan) -> bool:
@@ -176,8 +174,24 @@ class Node:
         everything (mass is conserved: nobody absorbs what it keeps). Never fires without a fault,
         so fault-free runs are bitwise the simulation's.
         """
-        return (plan.mode == "push" and self._short and self.transport.can_withhold
-                and MU in self.state.scalars and float(self.state.scalars[MU]) < MU_FLOOR)
+        return (plan.mode == "push" and self.transport.can_withhold and MU in self.state.scalars
+                and withholds(float(self.state.scalars[MU]), self._short))
+
+    def _settle(self, amount: float, self_weight: float, last: bool) -> float:
+        """Add a ledger settlement to mu (mu only: the de-biased model z = u / mu stays as it is, so the
+        weight comes back or goes without a jolt to the model); returns what was applied.
+
+        A debit goes only down to ``self_weight * MU_FLOOR`` (`pushsum.debit`): the rest is handed back
+        to the transport, owed by this peer alone and applied with a later settlement, so no fault
+        interleaving can drive a weight to zero (DFedPGP's body step is lr / mu)."""
+        mu = float(self.state.scalars[MU])
+        applied, deferred = debit(mu, amount, self_weight * MU_FLOOR, last=last)
+        if deferred:
+            self.transport.defer_settlement(deferred)
+            log.warning("%s: %.6g of push-sum weight owed; deferred to keep mu above the floor", self.peer_id,
+                        -deferred)
+        self.state.scalars[MU] = mu + applied
+        return applied
 
     def _evaluated(self, r: int) -> bool:
         """Whether round ``r`` is evaluated: every ``eval_every`` rounds and the last."""
@@ -186,7 +200,7 @@ class Node:
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> PeerState:
         while self.state.round < self.rounds and not self.stop.is_set():
-            if not self.protocol.asynchronous:
+            if not self.protocol.asynchronous or self._probe_all:  # async: only where a restart left it
                 self.catch_up()
             self.run_round(self.state.round)
         if self.state.round >= self.rounds:
@@ -269,14 +283,12 @@ class Node:
             self.algorithm.combine(self.state, r, step, msg, res.received, plan)
             if plan.mode == "push":
                 self._short = bool(res.missing or res.withheld)
-                if res.mu_settle:
-                    # The ledger's repair of a restart (docs/protocol.md): mu only, so the de-biased
-                    # model z = u / mu stays as it is and the weight comes back without a jolt.
-                    self.state.scalars[MU] = float(self.state.scalars[MU]) + res.mu_settle
-                    settled += res.mu_settle
+                if res.mu_settle:  # the ledger's repair of a restart (docs/protocol.md)
+                    settled += self._settle(res.mu_settle, plan.self_weight, r + 1 == self.rounds)
             sent += res.bytes_sent
             recv += res.bytes_recv
             missing.update(res.missing)
+        self._probe = set(missing)  # whom the next round's catch-up asks for evidence of progress
 
         self.state.round = r + 1
         rec: dict[str, Any] = {"round": r, "peer": self.peer_id}
@@ -308,13 +320,13 @@ class Node:
         ):
             late = self.transport.late_settlement() if self.algorithm.mode == "push" else 0.0
             if late:  # e.g. a push mixed here whose OK could not be sent: its share goes back (mu only)
-                self.state.scalars[MU] = float(self.state.scalars[MU]) + late
-                rec["mu_settled"] = rec.get("mu_settled", 0.0) + late
+                sw = self.topology.plan(self.peer_id, r, 0, seed=self.seed, mode="push").self_weight
+                rec["mu_settled"] = rec.get("mu_settled", 0.0) + self._settle(late, sw, r + 1 == self.rounds)
                 rec["mu"] = float(self.state.scalars[MU])
             ledger = self.transport.ledger_state()  # push-sum running totals, consistent with this state
+            extra = {"ledger": ledger, "short": self._short} if ledger is not None else {}
             save_checkpoint(self.checkpoint_path, self.state, self.generator,
-                            meta={"record": rec, **({"ledger": ledger} if ledger is not None else {}),
-                                  **self.checkpoint_meta},
+                            meta={"record": rec, **extra, **self.checkpoint_meta},
                             durable=self.durable_checkpoints)
         self.record(rec)
         if self.on_round is not None:

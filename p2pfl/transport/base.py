@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from p2pfl.messages import Message
@@ -73,6 +74,11 @@ class Transport(ABC):
         sent), for the node to add to its mu before it checkpoints (0 by default)."""
         return 0.0
 
+    def defer_settlement(self, amount: float) -> None:
+        """Take back a settlement the node could not apply yet (``pushsum.debit``): it comes again with
+        the next exchange's (or checkpoint's) settlement. Only a transport that settles gets one."""
+        raise NotImplementedError(f"{type(self).__name__} settles nothing")
+
     def restore_ledger(self, ledger: dict | None) -> None:
         """Restore the running totals of the checkpoint being resumed (nothing by default)."""
         return None
@@ -81,12 +87,10 @@ class Transport(ABC):
         """The round this peer restarted at, whose lost pushes it recovers first (-1: a fresh start)."""
         return -1
 
-    def requested_rounds(self) -> dict[str, int]:
-        """Per neighbour, the highest round it asked this peer for since the last call (none known here)."""
-        return {}
-
-    def neighbour_rounds(self, timeout_s: float) -> dict[str, int]:
-        """The rounds the reachable neighbours report (Status), for a peer that rejoins."""
+    def proven_rounds(self, peers: Iterable[str], probe: Iterable[str], timeout_s: float) -> dict[str, int]:
+        """Per peer of ``peers``, the highest round of a payload from it that passed validation: the
+        only evidence a catch-up may act on (``p2pfl/transport/progress.py``). Those in ``probe`` are
+        asked first, each within ``timeout_s``. None known here (a transport without faults)."""
         return {}
 
     def sleep(self, seconds: float) -> None:

@@ -43,6 +43,8 @@ from p2pfl.transport.limits import (
     bounded,
     safe_deserializer,
 )
+from p2pfl.transport.progress import Progress
+from p2pfl.transport.pushsum import claim_credit
 from p2pfl.wire.codec import DEFAULT_CHUNK_BYTES, Decoder, EncodedPayload, RawData, encode_frames, parse_frame
 from p2pfl.wire.compress import WireFormat
 from p2pfl.wire.validate import Expectation, Reason, WireError, excerpt
@@ -82,6 +84,9 @@ _ANSWER_MARGIN_S = 0.25
 GIVEN_MD = "p2pfl-given"
 KEEP_MD = "p2pfl-keep"
 ABSORBED_MD = "p2pfl-absorbed"
+#: Invocation metadata of a Pull that asks for evidence of progress (``p2pfl/transport/progress.py``):
+#: in push mode it is served this peer's published push payload instead of a recovery (never mixed).
+EVIDENCE_MD = "p2pfl-evidence"
 
 _STATUS: dict[Reason, grpc.StatusCode] = {
     Reason.MISSING_HEADER: grpc.StatusCode.INVALID_ARGUMENT,
@@ -198,8 +203,12 @@ class PeerServer:
         # (sender, round, step) -> True (mixed) / False (the step closed without it): a push's fate.
         self._decided: dict[tuple[str, int, int], bool] = {}
         self.window = 2
-        self._requested: dict[str, int] = {}  # per neighbour: the highest round it pulled or pushed
+        # Per in-neighbour, the highest round of a validated payload accepted from it: the only thing
+        # the catch-up believes (never the round a request claims; docs/protocol.md, "Catching up").
+        self.progress = Progress()
         self._given: dict[str, tuple[int, dict[int, EncodedPayload]]] = {}  # push mode: last round mixed by each
+        # push mode: (receiver, round, step) of every OK this peer heard, durable (its pushes log)
+        self.given_keys: set[tuple[str, int, int]] | frozenset[tuple[str, int, int]] = frozenset()
         self._recovering: set[tuple[str, int, int]] = set()  # keys a restarted peer is asking its senders for
         # Push-sum ledger, receiver side: per sender, the running total of mu it absorbed (checkpointed
         # with the state); the sender's claimed running total per waiting push; the total after each
@@ -465,6 +474,9 @@ class PeerServer:
             held = self._given.get(caller)
             if held is not None and held[0] == r and s in held[1]:
                 return held[1][s]
+            if (caller, r, s) in self.given_keys:  # given (its OK is logged), the payload no longer held
+                return _Rejected(grpc.StatusCode.ALREADY_EXISTS, f"round {r} step {s} was given to {caller!r} "
+                                 "(its share left this peer); the payload is no longer held")
             if r < self._round:
                 return _Rejected(grpc.StatusCode.ABORTED, f"round {r} step {s} was not given to {caller!r}: "
                                  "its share stayed with this peer")
@@ -546,9 +558,10 @@ class PeerServer:
         j, r, s = key
         total = self._absorbed.get(j, 0.0)
         claim = self._claims.pop(key, None)
-        if claim is not None and claim > total and j not in self.held_claims:
-            self._settled[j] = self._settled.get(j, 0.0) + (claim - total)
-            total = claim
+        credit = 0.0 if j in self.held_claims else claim_credit(claim, total)
+        if credit:
+            self._settled[j] = self._settled.get(j, 0.0) + credit
+            total = claim  # exactly the sender's total (not a sum that may round): A = G again
         share = self._plan(r, s).in_weights.get(j, 0.0) * float(msg.scalars.get("mu", 0.0))
         total = total + share
         self._absorbed[j] = total
@@ -570,10 +583,10 @@ class PeerServer:
         if self.mode != "push" or sender in self.held_claims:
             return
         with self._cond:
-            have = self._absorbed.get(sender, 0.0)
-            if claim > have:
+            credit = claim_credit(claim, self._absorbed.get(sender, 0.0))
+            if credit:
                 self._absorbed[sender] = claim
-                self._settled[sender] = self._settled.get(sender, 0.0) + (claim - have)
+                self._settled[sender] = self._settled.get(sender, 0.0) + credit
 
     def _unanswered(self, key: tuple[str, int, int]) -> None:
         """A push was mixed but its call ended before the OK could be sent (this peer stalled, or the
@@ -593,22 +606,12 @@ class PeerServer:
         log.warning("%s: the OK for round %d step %d of %s could not be sent; its share is given back",
                     self.peer_id, r, s, j)
 
-    def requested_rounds(self) -> dict[str, int]:
-        """Per neighbour, the highest round it pulled or pushed since the last call; resets them.
-
-        A peer about to start round r that sees a neighbour which depends on it at round r already
-        asking for a later round knows that neighbour gave up waiting for it: it is lagging, and
-        catches up (docs/protocol.md, "Catching up").
-        """
-        with self._cond:
-            out, self._requested = self._requested, {}
-            return out
-
-    def publish(self, msg: Message) -> EncodedPayload:
-        """Encode ``msg`` once and serve it to every puller of (msg.round, msg.step).
+    def publish(self, msg: Message, payload: EncodedPayload | None = None) -> EncodedPayload:
+        """Encode ``msg`` once (or take its ``payload``, already encoded) and serve it to every puller
+        of (msg.round, msg.step).
 
         Publishing a round advances the current round to it. Republishing the same (round, step)
-        replaces the payload for later pullers.
+        replaces the payload for later pullers. In push mode only evidence Pulls read it.
         """
         if msg.sender != self.peer_id:
             raise ValueError(f"peer {self.peer_id!r} cannot publish a message from {msg.sender!r}")
@@ -616,7 +619,8 @@ class PeerServer:
             raise ValueError(
                 f"message topology hash {msg.topology_hash!r} differs from the server's {self.topology_hash!r}"
             )
-        payload = encode_frames(msg, self.chunk_bytes)
+        if payload is None:
+            payload = encode_frames(msg, self.chunk_bytes)
         if payload.header.total_bytes > self.max_bytes:
             raise ValueError(f"payload of {payload.header.total_bytes} bytes exceeds max_message_mb")
         with self._cond:
@@ -825,16 +829,16 @@ class PeerServer:
         if request.topology_hash != self.topology_hash:
             self._reject(context, what, caller, grpc.StatusCode.FAILED_PRECONDITION,
                          f"topology hash {excerpt(request.topology_hash)} differs from this peer's {self.topology_hash!r}")
-        if self.mode != "pull":
-            # Push mode serves one kind of Pull: a restarted receiver recovering a push it had mixed
-            # but lost with its uncheckpointed state (docs/protocol.md, "Push-sum mass").
+        evidence = any(k == EVIDENCE_MD and v == "1" for k, v in (context.invocation_metadata() or ()))
+        if self.mode != "pull" and not evidence:
+            # Push mode serves one kind of Pull besides evidence: a restarted receiver recovering a push
+            # it had mixed but lost with its uncheckpointed state (docs/protocol.md, "Push-sum mass").
             got = self._recovery(caller, r, s)
             if isinstance(got, _Rejected):
                 self._reject(context, what, caller, got.code, got.message)
             payload = got
         else:
             with self._cond:
-                self._requested[caller] = max(self._requested.get(caller, -1), r)
                 why = self._window_error(r)
             if why:
                 self._reject(context, what, caller, *why)
@@ -960,17 +964,14 @@ class PeerServer:
             if not (math.isfinite(claim) and claim >= 0):
                 self._reject(context, what, caller, grpc.StatusCode.INVALID_ARGUMENT,
                              f"metadata {GIVEN_MD} must be a finite number >= 0, got {excerpt(md[GIVEN_MD])}")
-        # Settle on any contact (rule 6): the claim raises this peer's total, and every answer,
-        # a refusal included, tells the sender this peer's total absorbed from it.
-        if claim is not None:
-            self._settle_claim(caller, claim)
+        # Every answer, a refusal included, tells the sender this peer's total absorbed from it (rule 6);
+        # the sender's claim is settled only from a push this peer accepts (a refusal changes nothing).
         with self._cond:
             context.set_trailing_metadata(((ABSORBED_MD, repr(float(self._absorbed.get(caller, 0.0)))),))
         if md.get(KEEP_MD) == "1":  # the sender keeps its whole share this step: nothing to mix
-            kept = self._withhold(key, context)
+            kept = self._withhold(key, context, claim)
             self._reject(context, what, caller, *kept)
         with self._cond:
-            self._requested[caller] = max(self._requested.get(caller, -1), r)
             why = None if key in self._decided else self._window_error(r)
             dup = key in self._inbox
             pending = sum(1 for k in self._inbox if k[0] == caller)
@@ -998,6 +999,8 @@ class PeerServer:
             msg = dec.finish()
         except WireError as e:
             self._reject(context, what, caller, status_for(e), e.message)
+        if claim is not None:  # a validated payload of a round in the window: settle on any such contact
+            self._settle_claim(caller, claim)
         mixed = self._offer(key, msg, dec.wire_bytes, context, claim)
         if isinstance(mixed, _Rejected):
             self._reject(context, what, caller, mixed.code, mixed.message)
@@ -1010,7 +1013,8 @@ class PeerServer:
         context.set_trailing_metadata(((ABSORBED_MD, repr(float(total))),))
         return peer_pb2.PushReply(bytes_received=dec.wire_bytes if mixed else 0)
 
-    def _withhold(self, key: tuple[str, int, int], context: grpc.ServicerContext) -> tuple[grpc.StatusCode, str]:
+    def _withhold(self, key: tuple[str, int, int], context: grpc.ServicerContext,
+                  claim: float | None = None) -> tuple[grpc.StatusCode, str]:
         """A push that withholds its share: close ``key`` once this peer reaches its round.
 
         It is answered like a push that was not mixed (ABORTED), but only when this peer is in that
@@ -1022,7 +1026,6 @@ class PeerServer:
         limit = time.monotonic() + (self.max_wait_s if remaining is None else min(remaining, self.max_wait_s))
         context.add_callback(self._wake)
         with self._cond:
-            self._requested[key[0]] = max(self._requested.get(key[0], -1), r)
             why = None if key in self._decided else self._window_error(r)
             if why:
                 return why
@@ -1037,6 +1040,8 @@ class PeerServer:
                 self._decided[key] = False
                 self._withheld.add(key)
                 self._cond.notify_all()
+        if claim is not None:  # the withhold was taken (not refused): its claim settles like a push's
+            self._settle_claim(key[0], claim)
         return grpc.StatusCode.ABORTED, f"round {r} step {s}: the sender withholds its share (it keeps its mass)"
 
     def _offer(self, key: tuple[str, int, int], msg: Message, nbytes: int,
@@ -1065,6 +1070,7 @@ class PeerServer:
                 return _Rejected(*why)
             self._inbox[key] = (msg, nbytes)
             self._offers[key] = context
+            self.progress.saw(key[0], r)  # validated and accepted: evidence that the sender reached r
             if claim is not None:
                 self._claims[key] = claim
             self._cond.notify_all()

@@ -41,6 +41,8 @@ from p2pfl.topology import MixingPlan, Topology
 from p2pfl.transport.base import ExchangeResult, Transport, TransportError
 from p2pfl.transport.grpc_service import (
     ABSORBED_MD,
+    DECISION_ROUNDS,
+    EVIDENCE_MD,
     GIVEN_MD,
     KEEP_MD,
     PULL_METHOD,
@@ -50,6 +52,7 @@ from p2pfl.transport.grpc_service import (
     channel_options,
 )
 from p2pfl.transport.limits import bounded
+from p2pfl.transport.pushsum import logged_totals, settle_budget
 from p2pfl.transport.refusals import RefusalTracker
 from p2pfl.wire.codec import Decoder, EncodedPayload, encode_frames, parse_frame
 from p2pfl.wire.compress import WireFormat
@@ -69,12 +72,6 @@ PushFate = tuple[bool, float | None]
 #: Push-sum: how long a finished peer keeps serving for a neighbour that is down (its ledger).
 _LINGER_DOWN_S = 60.0
 
-#: Of what a sender keeps in one step, at most this fraction settles a debt to a receiver (the rest
-#: next time), so settling never drives its weight to 0.
-_SETTLE_FRACTION = 0.5
-#: In the run's last round no later push settles the rest and no later step trains with lr / mu, so
-#: the debt is paid from all the sender keeps but this fraction (z = u / mu needs mu > 0).
-_FINAL_RESERVE = 2.0 ** -20
 
 
 def backoff_s(attempt: int) -> float:
@@ -163,6 +160,7 @@ class GrpcTransport(Transport):
         # Push-sum ledger, sender side: per out-neighbour, the running total of mu given to it
         # (checkpointed with the state; docs/protocol.md, "Push-sum mass").
         self._given: dict[str, float] = {}
+        self._deferred = 0.0  # settlement the node could not apply yet without breaking the floor (pushsum.debit)
         self._down: set[str] = set()  # neighbours noticed down: probed briefly, not waited for
         self._probe_why: dict[str, str] = {}  # neighbour -> why its last liveness probe failed
         self._refusals = RefusalTracker(peer_id)  # "refuses this peer" apart from "does not answer"
@@ -177,12 +175,16 @@ class GrpcTransport(Transport):
         self._resumed_round = server.round if restarted else -1
         self._pushes_log = pushes_log
         self._mixed_pushes = _load_pushes_log(pushes_log, server.round) if pushes_log is not None else set()
-        # The totals absorbed that the write-ahead log holds for rounds >= the checkpoint's: what this
-        # peer mixed after its checkpoint and lost with its state (settled after its first exchange).
-        self._logged_totals: dict[str, float] = {}
+        server.given_keys = self._mixed_pushes  # durable OKs: its recovery answers say "given" from them
+        # The write-ahead log's lines for rounds >= the checkpoint's: what this peer mixed after its
+        # checkpoint and lost with its state (restored after its first exchange, `pushsum.logged_totals`),
+        # less the pushes their senders answer they kept (`_kept`: the OK never reached them).
+        self._logged: list[tuple[str, int, int, float]] = []
+        self._ckpt_absorbed: dict[str, float] = {}
+        self._kept: set[tuple[str, int, int]] = set()
         if pushes_log is not None and server.mode == "push":
             server.absorb_log = pushes_log.with_suffix(".absorbed")
-            self._logged_totals = _load_absorb_log(server.absorb_log, server.round)
+            self._logged = _load_absorb_log(server.absorb_log, server.round)
             if restarted:
                 server.held_claims = frozenset(topology.possible_in_neighbours(peer_id))
 
@@ -312,7 +314,16 @@ class GrpcTransport(Transport):
         return {"given": given, "absorbed": self.server.absorbed()}
 
     def late_settlement(self) -> float:
-        return sum(self.server.pop_settled().values())
+        return sum(self.server.pop_settled().values()) + self._take_deferred()
+
+    def defer_settlement(self, amount: float) -> None:
+        with self._lock:
+            self._deferred += amount
+
+    def _take_deferred(self) -> float:
+        with self._lock:
+            out, self._deferred = self._deferred, 0.0
+        return out
 
     def restore_ledger(self, ledger: dict[str, Any] | None) -> None:
         """Restore the running totals saved with the checkpoint being resumed (the state they match)."""
@@ -320,7 +331,8 @@ class GrpcTransport(Transport):
             return
         with self._lock:
             self._given = {str(k): float(v) for k, v in dict(ledger.get("given") or {}).items()}
-        self.server.restore_absorbed({str(k): float(v) for k, v in dict(ledger.get("absorbed") or {}).items()})
+        self._ckpt_absorbed = {str(k): float(v) for k, v in dict(ledger.get("absorbed") or {}).items()}
+        self.server.restore_absorbed(self._ckpt_absorbed)
 
     def _check(self, message: Message, plan: MixingPlan) -> None:
         if self._closed:
@@ -382,13 +394,17 @@ class GrpcTransport(Transport):
             job.cancel()
             return None, 0, "the pull did not finish by the deadline"
 
-    def _pull_one(self, peer: str, round: int, step: int, deadline: float) -> tuple[Message | None, int, str]:
+    def _pull_one(self, peer: str, round: int, step: int, deadline: float,
+                  evidence: bool = False) -> tuple[Message | None, int, str]:
         """Pull (round, step) from ``peer``: (message or None, wire bytes read, reason when None).
 
         UNAVAILABLE (connection lost, neighbour restarting, or the round too far ahead of it) is
         retried with jittered exponential backoff until the deadline; every other status is final.
+        A payload that passed validation is evidence that ``peer`` reached ``round`` (`Progress`).
+        ``evidence``: ask a push-mode peer for its published payload (not a recovery; never mixed).
         """
         nbr = self._neighbour(peer)
+        md = ((EVIDENCE_MD, "1"),) if evidence else None
         req = peer_pb2.PullRequest(requester=self.peer_id, round=round, step=step, topology_hash=self.topology_hash)
         exp = Expectation(
             specs=self.expected_specs, round=round, step=step, topology_hash=self.topology_hash,
@@ -400,11 +416,13 @@ class GrpcTransport(Transport):
         attempt = 0
         while (left := deadline - time.monotonic()) > 0:
             dec = Decoder(exp)
-            call = nbr.pull(req, timeout=left, wait_for_ready=True)
+            call = nbr.pull(req, timeout=left, wait_for_ready=True, metadata=md)
             try:
                 for item in call:
                     dec.feed(item)
-                return dec.finish(), nbytes + dec.wire_bytes, ""
+                msg = dec.finish()
+                self.server.progress.saw(peer, msg.round)
+                return msg, nbytes + dec.wire_bytes, ""
             except WireError as e:
                 call.cancel()
                 return None, nbytes + dec.wire_bytes, f"payload rejected ({e.code}): {e.message}"
@@ -422,6 +440,7 @@ class GrpcTransport(Transport):
                        withhold: bool = False) -> ExchangeResult:
         self.server.set_round(message.round)
         payload = encode_frames(message, self.chunk_bytes)
+        self.server.publish(message, payload)  # served to evidence Pulls only (a lagging receiver's proof)
         tag = f"round {message.round} step {message.step}"
         with self._lock:
             claims = {k: self._given.get(k, 0.0) for k in plan.out_weights}
@@ -459,19 +478,22 @@ class GrpcTransport(Transport):
                 undelivered.append(k)
         if message.round >= self._resumed_round:
             self.server.held_claims = frozenset()  # recovery is over: claims settle again
-        if self._logged_totals:  # the resumed round: what recovery (rule 4) did not bring back
-            for j, total in self._logged_totals.items():
+        if self._logged:  # the resumed round: what recovery (rule 4) did not bring back
+            with self._lock:
+                kept = set(self._kept)
+            for j, total in logged_totals(self._ckpt_absorbed, self._logged, kept).items():
                 got_back = self.server.raise_absorbed(j, total)
                 if got_back:
                     log.warning("%s %s: %.6g of push-sum weight from %s, mixed before the restart, restored "
                                 "from the write-ahead log", self.peer_id, tag, got_back, j)
                 self.server.note_settled(j, got_back)
-            self._logged_totals = {}
+            self._logged = []
         settle = sum(self.server.pop_settled().values())
         if settle:
             log.warning("%s %s: absorbed %.6g of push-sum weight lost in a restart (settled by the ledger)",
                         self.peer_id, tag, settle)
         settle -= self._settle_given(message, plan, fates, undelivered, tag)
+        settle += self._take_deferred()
         recv = sum(n for _, n in got.values())
         return ExchangeResult(received=received, missing=missing, bytes_sent=self._take_sent(),
                               bytes_recv=recv, undelivered=undelivered, mu_settle=settle, withheld=withheld)
@@ -481,12 +503,11 @@ class GrpcTransport(Transport):
         """Add this step's delivered shares to the running totals given; return the weight this peer
         gives now to settle what it owes (a receiver absorbed more than this peer's state gave it: a
         push mixed there whose answer this peer lost, e.g. in its own restart from an older
-        checkpoint). At most half of what it keeps per step (the rest on its next push), all but a
-        sliver in the run's last round."""
+        checkpoint), as much as `pushsum.settle_budget` allows this step (the rest on its next push)."""
         mu = float(message.scalars.get("mu", 0.0))
         keep = mu * (plan.self_weight + sum(plan.out_weights[k] for k in undelivered))
         last = self.final_round is not None and message.round >= self.final_round
-        budget = keep * ((1.0 - _FINAL_RESERVE) if last else _SETTLE_FRACTION)
+        budget = settle_budget(keep, plan.self_weight, mu, last=last)
         owed = 0.0
         with self._lock:
             for k, (ok, absorbed) in fates.items():
@@ -504,9 +525,12 @@ class GrpcTransport(Transport):
     def _recover_one(self, key: tuple[str, int, int], deadline: float) -> None:
         """After a restart, while waiting for the pushes of the resumed round: ask the sender (Pull,
         in push mode) whether it had given this peer that round's push, then lost with the
-        uncheckpointed state. Given: recovered into the inbox. Kept by the sender (it moved past
-        the round without this peer mixing it): the key is closed, not waited for. Not decided
-        yet (NOT_FOUND): the push itself will come.
+        uncheckpointed state. Given: recovered into the inbox. Given, but the payload no longer held
+        (ALREADY_EXISTS: in the sender's durable log of OKs): closed; the write-ahead log restores its
+        share. Kept by the sender (ABORTED: it moved past the round without an OK): closed, and a
+        share this peer's write-ahead log holds for it is *not* restored -- its OK never reached the
+        sender, which kept the share (issue 68: both counted it, sum mu = 4.5). Not decided yet
+        (NOT_FOUND): the push itself will come.
         """
         try:
             msg, nbytes, why = self._pull_one(key[0], key[1], key[2], deadline)
@@ -515,6 +539,10 @@ class GrpcTransport(Transport):
                             self.peer_id, key[1], key[2], key[0])
                 self.server.deliver(key, msg, nbytes)
             elif why.startswith("ABORTED"):
+                with self._lock:
+                    self._kept.add(key)
+                self.server.close(key)
+            elif why.startswith("ALREADY_EXISTS"):
                 self.server.close(key)
         finally:
             self.server.recovering(key, False)
@@ -634,25 +662,29 @@ class GrpcTransport(Transport):
 
     # ---- rejoin ------------------------------------------------------------------------------
 
-    def requested_rounds(self) -> dict[str, int]:
-        return self.server.requested_rounds()
-
     def resumed_round(self) -> int:
         return self._resumed_round
 
-    def neighbour_rounds(self, timeout_s: float) -> dict[str, int]:
-        """Status of every possible neighbour, in parallel, each bounded by ``timeout_s``; the reachable ones' rounds."""
-        peers = sorted(self.topology.possible_in_neighbours(self.peer_id)
-                       | self.topology.possible_out_neighbours(self.peer_id))
+    def proven_rounds(self, peers: Iterable[str], probe: Iterable[str], timeout_s: float) -> dict[str, int]:
+        """Per peer of ``peers``, the highest round of a validated payload from it; those in ``probe``
+        are asked first (in parallel, each bounded by ``timeout_s``): `_prove`."""
+        asked = sorted(set(probe))
+        if asked:
+            list(self._pool.map(lambda p: self._prove(p, timeout_s), asked))
+        return self.server.progress.rounds(peers)
 
-        def ask(p: str) -> int | None:
-            try:
-                return int(self.status(p, timeout_s).round)
-            except grpc.RpcError:
-                return None
-
-        rounds = dict(zip(peers, self._pool.map(ask, peers), strict=True))
-        return {p: r for p, r in rounds.items() if r is not None}
+    def _prove(self, peer: str, timeout_s: float) -> None:
+        """Ask ``peer`` where it is (Status: a claim, used only as where to look), then pull that
+        round's payload (its step 0): once it passes validation it is evidence (`Progress`). A peer
+        that claims a round it never published proves nothing; one that does not answer, neither."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            claimed = int(self.status(peer, timeout_s, wait_for_ready=False).round)
+        except grpc.RpcError:
+            return
+        if claimed <= self.server.round or (self.final_round is not None and claimed > self.final_round):
+            return  # not ahead (nothing to prove), or finished (no round of the run to move to)
+        self._pull_one(peer, claimed, 0, deadline, evidence=True)
 
     def _note_mixed(self, peer: str, round: int, step: int) -> None:
         """Append (fsync'd) that ``peer`` mixed this peer's (round, step) push: it survives a kill."""
@@ -777,36 +809,39 @@ def _absorbed(call: Any) -> float | None:
     return None
 
 
-def _load_absorb_log(path: Path, round: int) -> dict[str, float]:
-    """Per sender, the last total absorbed logged at rounds >= ``round``; the log keeps just those lines."""
-    totals: dict[str, float] = {}
+def _load_absorb_log(path: Path, round: int) -> list[tuple[str, int, int, float]]:
+    """The write-ahead log's lines (sender, round, step, total absorbed after it) at rounds >= ``round``,
+    in order; the log keeps just those lines. A line torn by a kill is dropped (its OK was never sent)."""
+    lines: list[tuple[str, int, int, float]] = []
     keep: list[str] = []
     if path.exists():
         for line in path.read_text().splitlines():
             parts = line.split()
             if len(parts) != 4 or not (parts[1].isdigit() and parts[2].isdigit()):
-                continue  # a line torn by a kill: its OK was never sent
+                continue
             try:
                 total = float(parts[3])
             except ValueError:
                 continue
             if int(parts[1]) >= round and total == total and total >= 0:
-                totals[parts[0]] = max(totals.get(parts[0], 0.0), total)
+                lines.append((parts[0], int(parts[1]), int(parts[2]), total))
                 keep.append(line)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(x + "\n" for x in keep))
     os.replace(tmp, path)
-    return totals
+    return lines
 
 
 def _load_pushes_log(path: Path, round: int) -> set[tuple[str, int, int]]:
-    """The (receiver, round, step) pushes mixed at rounds >= ``round``; the log is rewritten to just those."""
+    """The (receiver, round, step) pushes mixed at rounds >= ``round - DECISION_ROUNDS``; the log is
+    rewritten to just those. Older than the checkpoint's round they are never pushed again, but a
+    receiver restarted at an earlier round asks whether its push was given (`PeerServer._recovery`)."""
     keep: set[tuple[str, int, int]] = set()
     if path.exists():
         for line in path.read_text().splitlines():
             parts = line.split()
-            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit() and int(parts[1]) >= round:
+            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit() and int(parts[1]) >= round - DECISION_ROUNDS:
                 keep.add((parts[0], int(parts[1]), int(parts[2])))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
