@@ -17,12 +17,10 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
-from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
@@ -44,7 +42,7 @@ from p2pfl.transport.limits import (
     safe_deserializer,
 )
 from p2pfl.transport.progress import Progress
-from p2pfl.transport.pushsum import claim_credit
+from p2pfl.transport.pushsum import ReceiverLedger
 from p2pfl.wire.codec import DEFAULT_CHUNK_BYTES, Decoder, EncodedPayload, RawData, encode_frames, parse_frame
 from p2pfl.wire.compress import WireFormat
 from p2pfl.wire.validate import Expectation, Reason, WireError, excerpt
@@ -210,21 +208,9 @@ class PeerServer:
         # push mode: (receiver, round, step) of every OK this peer heard, durable (its pushes log)
         self.given_keys: set[tuple[str, int, int]] | frozenset[tuple[str, int, int]] = frozenset()
         self._recovering: set[tuple[str, int, int]] = set()  # keys a restarted peer is asking its senders for
-        # Push-sum ledger, receiver side: per sender, the running total of mu it absorbed (checkpointed
-        # with the state); the sender's claimed running total per waiting push; the total after each
-        # mixed key (its reply); mass absorbed by settlement, not yet handed to the node.
-        self._absorbed: dict[str, float] = {}
-        self._claims: dict[tuple[str, int, int], float] = {}
-        self._absorbed_at: dict[tuple[str, int, int], float] = {}
-        self._shares: dict[tuple[str, int, int], float] = {}  # the share each mixed key added, until answered
-        # Senders whose claims are ignored until this restarted peer's resumed round is over: its
-        # recovery (rule 4) and write-ahead log restore what it lost; a claim on top would count it twice.
-        self.held_claims: frozenset[str] = frozenset()
-        self._settled: dict[str, float] = {}
+        # Push-sum ledger, receiver side (p2pfl/transport/pushsum.py), under this server's lock.
+        self.ledger = ReceiverLedger(self._cond)
         self._withheld: set[tuple[str, int, int]] = set()  # keys whose sender kept its whole share
-        # Write-ahead log of the totals absorbed (``<checkpoint>.absorbed``): appended and fsync'd before
-        # a push is answered OK, so a restart knows what it mixed after its checkpoint (rule 6).
-        self.absorb_log: Path | None = None
         self._round = 0
         self._final: int | None = None  # the round count once this peer finished the run (`finish`)
         self._told: dict[str, int] = {}  # per calling neighbour, the highest round its Status answers said
@@ -452,8 +438,7 @@ class PeerServer:
         forget = self._round - DECISION_ROUNDS
         for key in [k for k in self._decided if k[1] < forget]:
             del self._decided[key]
-            self._absorbed_at.pop(key, None)
-            self._shares.pop(key, None)
+            self.ledger.forget(key)
             self._withheld.discard(key)
 
     def gave(self, peer: str, round: int, step: int, payload: EncodedPayload) -> None:
@@ -487,7 +472,7 @@ class PeerServer:
         with self._cond:
             if key not in self._decided and key not in self._inbox:
                 self._inbox[key] = (msg, nbytes)
-                self._claims.pop(key, None)  # the exact lost payload: no settlement with it
+                self.ledger.drop_claim(key)  # the exact lost payload: no settlement with it
                 self._cond.notify_all()
 
     def recovering(self, key: tuple[str, int, int], active: bool) -> None:
@@ -509,35 +494,22 @@ class PeerServer:
 
     def absorbed(self) -> dict[str, float]:
         """Per sender, the running total of push-sum weight this peer absorbed (goes into the checkpoint)."""
-        with self._cond:
-            return dict(self._absorbed)
+        return self.ledger.totals()
 
     def restore_absorbed(self, totals: dict[str, float]) -> None:
         """Set the running totals from a checkpoint (the state they are consistent with)."""
-        with self._cond:
-            self._absorbed = {str(k): float(v) for k, v in totals.items()}
+        self.ledger.restore(totals)
 
     def raise_absorbed(self, sender: str, total: float) -> float:
-        """Raise the running total absorbed from ``sender`` to ``total`` (a total this peer durably had
-        before a restart); return the difference, which the node adds to its mu (0 if not below)."""
-        with self._cond:
-            have = self._absorbed.get(sender, 0.0)
-            if total <= have:
-                return 0.0
-            self._absorbed[sender] = total
-            return total - have
+        """`ReceiverLedger.raise_to`: a total this peer durably had before a restart."""
+        return self.ledger.raise_to(sender, total)
 
     def note_settled(self, sender: str, amount: float) -> None:
-        """Add ``amount`` to the weight settled with ``sender`` (handed to the node by `pop_settled`)."""
-        if amount:
-            with self._cond:
-                self._settled[sender] = self._settled.get(sender, 0.0) + amount
+        self.ledger.note(sender, amount)
 
     def pop_settled(self) -> dict[str, float]:
         """Weight absorbed by settlement since the last call, per sender (the node adds it to its mu)."""
-        with self._cond:
-            out, self._settled = self._settled, {}
-            return out
+        return self.ledger.pop()
 
     def withheld(self, keys: Iterable[tuple[str, int, int]]) -> set[tuple[str, int, int]]:
         """Those of ``keys`` whose sender withheld its share (it kept all its mass: mu below the floor)."""
@@ -545,66 +517,23 @@ class PeerServer:
             return {k for k in keys if k in self._withheld}
 
     def _absorb(self, key: tuple[str, int, int], msg: Message) -> None:
-        """Ledger of a push being mixed (lock held): settle the sender's claim, then add this share.
-
-        The sender's claim is its running total given to this peer *before* this push. A claim above
-        this peer's running total absorbed means pushes it mixed were lost with its state (a restart
-        from an older checkpoint): the difference is absorbed now, in mu only (the node keeps its
-        de-biased model, so the mass comes back without moving the model). The share itself is the
-        weight ``combine`` is about to apply: W[i, j] * mu_j.
-        """
+        """Ledger of a push being mixed (lock held): its share is the weight ``combine`` is about to
+        apply, W[i, j] * mu_j (`ReceiverLedger.absorb` settles the sender's claim first)."""
         if self.mode != "push" or self.topology is None:
             return
         j, r, s = key
-        total = self._absorbed.get(j, 0.0)
-        claim = self._claims.pop(key, None)
-        credit = 0.0 if j in self.held_claims else claim_credit(claim, total)
-        if credit:
-            self._settled[j] = self._settled.get(j, 0.0) + credit
-            total = claim  # exactly the sender's total (not a sum that may round): A = G again
-        share = self._plan(r, s).in_weights.get(j, 0.0) * float(msg.scalars.get("mu", 0.0))
-        total = total + share
-        self._absorbed[j] = total
-        self._absorbed_at[key] = total
-        self._shares[key] = share
-        self._log_absorbed(j, r, s, total)
-
-    def _log_absorbed(self, j: str, r: int, s: int, total: float) -> None:
-        """Append (fsync'd) the total absorbed from ``j`` after (r, s): durable before the OK leaves."""
-        if self.absorb_log is not None:
-            with open(self.absorb_log, "a") as f:
-                f.write(f"{j} {r} {s} {total!r}\n")
-                f.flush()
-                os.fsync(f.fileno())
-
-    def _settle_claim(self, sender: str, claim: float) -> None:
-        """The sender durably gave ``claim`` in total before this push: raise this peer's total
-        absorbed to it (the difference was lost with this peer's state) and settle the difference."""
-        if self.mode != "push" or sender in self.held_claims:
-            return
-        with self._cond:
-            credit = claim_credit(claim, self._absorbed.get(sender, 0.0))
-            if credit:
-                self._absorbed[sender] = claim
-                self._settled[sender] = self._settled.get(sender, 0.0) + credit
+        self.ledger.absorb(key, self._plan(r, s).in_weights.get(j, 0.0) * float(msg.scalars.get("mu", 0.0)))
 
     def _unanswered(self, key: tuple[str, int, int]) -> None:
         """A push was mixed but its call ended before the OK could be sent (this peer stalled, or the
         call's deadline passed in between): the sender keeps the share (rule 2), so this peer gives
         back what it absorbed (mu only, with the next exchange) and closes the key."""
-        j, r, s = key
         with self._cond:
-            share = self._shares.pop(key, 0.0)
-            if not share:
+            if not self.ledger.unanswered(key):
                 return
-            total = self._absorbed.get(j, 0.0) - share
-            self._absorbed[j] = total
-            self._absorbed_at[key] = total
             self._decided[key] = False
-            self._settled[j] = self._settled.get(j, 0.0) - share
-            self._log_absorbed(j, r, s, total)
         log.warning("%s: the OK for round %d step %d of %s could not be sent; its share is given back",
-                    self.peer_id, r, s, j)
+                    self.peer_id, key[1], key[2], key[0])
 
     def publish(self, msg: Message, payload: EncodedPayload | None = None) -> EncodedPayload:
         """Encode ``msg`` once (or take its ``payload``, already encoded) and serve it to every puller
@@ -966,8 +895,7 @@ class PeerServer:
                              f"metadata {GIVEN_MD} must be a finite number >= 0, got {excerpt(md[GIVEN_MD])}")
         # Every answer, a refusal included, tells the sender this peer's total absorbed from it (rule 6);
         # the sender's claim is settled only from a push this peer accepts (a refusal changes nothing).
-        with self._cond:
-            context.set_trailing_metadata(((ABSORBED_MD, repr(float(self._absorbed.get(caller, 0.0)))),))
+        context.set_trailing_metadata(((ABSORBED_MD, repr(float(self.ledger.total(caller)))),))
         if md.get(KEEP_MD) == "1":  # the sender keeps its whole share this step: nothing to mix
             kept = self._withhold(key, context, claim)
             self._reject(context, what, caller, *kept)
@@ -999,17 +927,15 @@ class PeerServer:
             msg = dec.finish()
         except WireError as e:
             self._reject(context, what, caller, status_for(e), e.message)
-        if claim is not None:  # a validated payload of a round in the window: settle on any such contact
-            self._settle_claim(caller, claim)
+        if claim is not None and self.mode == "push":  # a validated payload in the window: settle on it
+            self.ledger.settle_claim(caller, claim)
         mixed = self._offer(key, msg, dec.wire_bytes, context, claim)
         if isinstance(mixed, _Rejected):
             self._reject(context, what, caller, mixed.code, mixed.message)
         if mixed and not context.is_active():
             self._unanswered(key)
             return peer_pb2.PushReply()  # nobody hears it
-        with self._cond:  # the running total right after this key was mixed: the sender settles with it
-            total = self._absorbed_at.get(key, self._absorbed.get(caller, 0.0))
-            self._shares.pop(key, None)
+        total = self.ledger.answered(key)  # the running total right after this key was mixed
         context.set_trailing_metadata(((ABSORBED_MD, repr(float(total))),))
         return peer_pb2.PushReply(bytes_received=dec.wire_bytes if mixed else 0)
 
@@ -1040,8 +966,8 @@ class PeerServer:
                 self._decided[key] = False
                 self._withheld.add(key)
                 self._cond.notify_all()
-        if claim is not None:  # the withhold was taken (not refused): its claim settles like a push's
-            self._settle_claim(key[0], claim)
+        if claim is not None and self.mode == "push":  # the withhold was taken (not refused): it settles
+            self.ledger.settle_claim(key[0], claim)
         return grpc.StatusCode.ABORTED, f"round {r} step {s}: the sender withholds its share (it keeps its mass)"
 
     def _offer(self, key: tuple[str, int, int], msg: Message, nbytes: int,
@@ -1071,8 +997,7 @@ class PeerServer:
             self._inbox[key] = (msg, nbytes)
             self._offers[key] = context
             self.progress.saw(key[0], r)  # validated and accepted: evidence that the sender reached r
-            if claim is not None:
-                self._claims[key] = claim
+            self.ledger.hold_claim(key, claim)
             self._cond.notify_all()
             try:
                 while True:
@@ -1095,7 +1020,7 @@ class PeerServer:
                 if self._inbox.get(key) is not None and self._decided.get(key) is not True:
                     self._inbox.pop(key, None)
                 self._offers.pop(key, None)
-                self._claims.pop(key, None)
+                self.ledger.drop_claim(key)
 
     def _status(self, request: peer_pb2.StatusRequest, context: grpc.ServicerContext, call: Call) -> peer_pb2.StatusReply:
         caller = request.requester  # plaintext: as claimed (may be empty: an anonymous probe)

@@ -183,10 +183,10 @@ class GrpcTransport(Transport):
         self._ckpt_absorbed: dict[str, float] = {}
         self._kept: set[tuple[str, int, int]] = set()
         if pushes_log is not None and server.mode == "push":
-            server.absorb_log = pushes_log.with_suffix(".absorbed")
-            self._logged = _load_absorb_log(server.absorb_log, server.round)
+            server.ledger.log_path = pushes_log.with_suffix(".absorbed")
+            self._logged = _load_absorb_log(server.ledger.log_path, server.round)
             if restarted:
-                server.held_claims = frozenset(topology.possible_in_neighbours(peer_id))
+                server.ledger.held = frozenset(topology.possible_in_neighbours(peer_id))
 
     # ---- channels ------------------------------------------------------------------------------
 
@@ -477,7 +477,7 @@ class GrpcTransport(Transport):
             if not fates[k][0]:
                 undelivered.append(k)
         if message.round >= self._resumed_round:
-            self.server.held_claims = frozenset()  # recovery is over: claims settle again
+            self.server.ledger.held = frozenset()  # recovery is over: claims settle again
         if self._logged:  # the resumed round: what recovery (rule 4) did not bring back
             with self._lock:
                 kept = set(self._kept)

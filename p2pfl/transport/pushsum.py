@@ -31,10 +31,13 @@ depends on the algorithm.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
 
-__all__ = ["FINAL_RESERVE", "MU_FLOOR", "SETTLE_FRACTION", "claim_credit", "debit", "logged_totals", "settle_budget",
-           "withholds"]
+__all__ = ["FINAL_RESERVE", "MU_FLOOR", "SETTLE_FRACTION", "ReceiverLedger", "claim_credit", "debit", "logged_totals",
+           "settle_budget", "withholds"]
 
 #: Below this weight (the mean is 1) a peer short of an in-neighbour's share keeps its whole share.
 MU_FLOOR = 0.5
@@ -105,3 +108,145 @@ def logged_totals(base: Mapping[str, float], lines: Iterable[tuple[str, int, int
             skip[j] = skip.get(j, 0.0) + (total - prev.get(j, 0.0))
         prev[j] = last[j] = total
     return {j: t - skip.get(j, 0.0) for j, t in last.items()}
+
+
+Key = tuple[str, int, int]  # (sender, round, step) of a push
+
+
+class ReceiverLedger:
+    """The receiver side of the push-sum ledger (rule 6), owned by a push-mode `PeerServer`.
+
+    Per sender, the running total of weight absorbed from it (checkpointed with the state it
+    belongs to); the claim (sender's running total given, before its push) of each waiting push;
+    the total right after each mixed push (its reply) and the share it added until it is answered;
+    the weight settled since the node last took it; and the write-ahead log of the totals
+    (``log_path``, appended and fsync'd before an ``OK`` leaves). ``lock`` is the server's condition:
+    `absorb` runs inside `PeerServer.take`'s atomic step, so a push is decided, mixed and accounted
+    at once.
+    """
+
+    def __init__(self, lock: threading.Condition) -> None:
+        self._lock = lock
+        self._totals: dict[str, float] = {}
+        self._claims: dict[Key, float] = {}
+        self._after: dict[Key, float] = {}
+        self._shares: dict[Key, float] = {}
+        self._settled: dict[str, float] = {}
+        #: Senders whose claims are ignored until a restarted peer's resumed round is over: its recovery
+        #: (rule 4) and write-ahead log restore what it lost; a claim on top would count it twice.
+        self.held: frozenset[str] = frozenset()
+        self.log_path: Path | None = None
+
+    # -- the totals ---------------------------------------------------------------------------------
+    def totals(self) -> dict[str, float]:
+        """Per sender, the running total absorbed (goes into the checkpoint)."""
+        with self._lock:
+            return dict(self._totals)
+
+    def total(self, sender: str) -> float:
+        with self._lock:
+            return self._totals.get(sender, 0.0)
+
+    def restore(self, totals: Mapping[str, float]) -> None:
+        """The totals of the checkpoint being resumed (the state they are consistent with)."""
+        with self._lock:
+            self._totals = {str(k): float(v) for k, v in totals.items()}
+
+    def raise_to(self, sender: str, total: float) -> float:
+        """Raise the total absorbed from ``sender`` to ``total`` (one this peer durably had before a
+        restart); return the difference, for the node's mu (0 if not below)."""
+        with self._lock:
+            have = self._totals.get(sender, 0.0)
+            if total <= have:
+                return 0.0
+            self._totals[sender] = total
+            return total - have
+
+    # -- settlement ---------------------------------------------------------------------------------
+    def note(self, sender: str, amount: float) -> None:
+        """Add ``amount`` to the weight settled with ``sender`` (handed to the node by `pop`)."""
+        if amount:
+            with self._lock:
+                self._settled[sender] = self._settled.get(sender, 0.0) + amount
+
+    def pop(self) -> dict[str, float]:
+        """Weight settled since the last call, per sender (the node adds it to its mu)."""
+        with self._lock:
+            out, self._settled = self._settled, {}
+            return out
+
+    def settle_claim(self, sender: str, claim: float) -> None:
+        """An accepted contact from ``sender`` claims it durably gave ``claim`` in total: raise this
+        peer's total to it and settle the difference (`claim_credit`), unless its claims are held."""
+        with self._lock:
+            if sender in self.held:
+                return
+            credit = claim_credit(claim, self._totals.get(sender, 0.0))
+            if credit:
+                self._totals[sender] = claim
+                self._settled[sender] = self._settled.get(sender, 0.0) + credit
+
+    # -- one push's life ----------------------------------------------------------------------------
+    def hold_claim(self, key: Key, claim: float | None) -> None:
+        """The claim of a push now waiting in the inbox (settled when `absorb` mixes it)."""
+        if claim is not None:
+            with self._lock:
+                self._claims[key] = claim
+
+    def drop_claim(self, key: Key) -> None:
+        """The push of ``key`` leaves the inbox unmixed, or is a recovered payload (no claim with it)."""
+        with self._lock:
+            self._claims.pop(key, None)
+
+    def absorb(self, key: Key, share: float) -> None:
+        """``key`` is being mixed (lock held by `take`): settle its claim, then add its ``share``
+        (the weight ``combine`` applies: W[i, j] * mu_j); logged before the OK can leave."""
+        j, r, s = key
+        with self._lock:
+            total = self._totals.get(j, 0.0)
+            claim = self._claims.pop(key, None)
+            credit = 0.0 if j in self.held else claim_credit(claim, total)
+            if credit:
+                self._settled[j] = self._settled.get(j, 0.0) + credit
+                assert claim is not None
+                total = claim  # exactly the sender's total (not a sum that may round): A = G again
+            total = total + share
+            self._totals[j] = total
+            self._after[key] = total
+            self._shares[key] = share
+            self._log(j, r, s, total)
+
+    def answered(self, key: Key) -> float:
+        """The total to tell the sender of ``key`` (right after it was mixed, or now); the share is final."""
+        with self._lock:
+            self._shares.pop(key, None)
+            return self._after.get(key, self._totals.get(key[0], 0.0))
+
+    def unanswered(self, key: Key) -> float:
+        """``key`` was mixed but its OK cannot be sent: the sender keeps the share (rule 2), so it is
+        given back (logged, settled as a debit); returns it (0: nothing to give back)."""
+        j, r, s = key
+        with self._lock:
+            share = self._shares.pop(key, 0.0)
+            if not share:
+                return 0.0
+            total = self._totals.get(j, 0.0) - share
+            self._totals[j] = total
+            self._after[key] = total
+            self._settled[j] = self._settled.get(j, 0.0) - share
+            self._log(j, r, s, total)
+            return share
+
+    def forget(self, key: Key) -> None:
+        """``key``'s decision is no longer remembered (pruned): neither is its reply."""
+        with self._lock:
+            self._after.pop(key, None)
+            self._shares.pop(key, None)
+
+    def _log(self, j: str, r: int, s: int, total: float) -> None:
+        """Append (fsync'd) the total absorbed from ``j`` after (r, s): durable before the OK leaves."""
+        if self.log_path is not None:
+            with open(self.log_path, "a") as f:
+                f.write(f"{j} {r} {s} {total!r}\n")
+                f.flush()
+                os.fsync(f.fileno())
