@@ -52,12 +52,13 @@ def flower_deprecations() -> Iterator[list[str]]:
         pytest.fail("Flower reported a deprecated feature:\n" + "\n".join(handler.seen), pytrace=False)
 
 
-#: Fields of a metrics record that time the run: they differ between any two runs of the same config.
-TIMES = ("seconds", "train_seconds")
+#: Fields of a metrics record that time the run: they differ between any two runs of the same config
+#: (``time``, the wall clock a launched peer writes its record at, is in its run folder's records only).
+TIMES = ("seconds", "train_seconds", "time")
 
 
 def records_without_times(run_dir: Path) -> list[dict[str, Any]]:
-    """A simulation's ``metrics.jsonl`` records, in file order, less the fields that time the run."""
+    """A run's ``metrics.jsonl`` records, in file order, less the fields that time the run."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k not in TIMES} for line in lines]
 

@@ -34,6 +34,7 @@ from p2pfl.models.layout import ParamLayout
 from p2pfl.simulation import simulate
 from p2pfl.topology import generate
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
+from tests.conftest import records_without_times
 from tests.test_launch import records
 
 APP = Path(__file__).parent / "apps" / "flower_bn_app"
@@ -218,12 +219,11 @@ def test_app_config_and_directory_errors_name_the_file_and_key(tmp_path: Path) -
 
 @pytest.mark.timeout(300)
 def test_app_dir_runs_under_launch_one_process_per_peer(tmp_path: Path) -> None:
-    """Each `p2pfl node` process imports the app from its directory and starts from the ServerApp's model.
-
-    Metrics are not compared with simulate: the template shuffles with torch's global RNG, which
-    the peers of one simulate worker share and launched peers do not.
-    """
-    write_config(tmp_path, sharing={"running_stats": "personal"})
+    """Each `p2pfl node` process imports the app from its directory and starts from the ServerApp's model,
+    and records what simulate records: every message to the app is seeded per (run seed, peer, round,
+    message type) (p2pfl.flower.clientapp), so the template's shuffling with torch's global RNG does not
+    depend on which peers share a process. Metrics (less the timing fields) and checkpoints are equal."""
+    cfg = write_config(tmp_path, sharing={"running_stats": "personal"})
     proc = subprocess.run([sys.executable, "-m", "p2pfl.cli", "launch", "-c", "config.yaml", "--out", "run",
                            "--timeout", "200"], capture_output=True, text=True, timeout=260, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
@@ -233,6 +233,18 @@ def test_app_dir_runs_under_launch_one_process_per_peer(tmp_path: Path) -> None:
     for p in PEERS:
         st = load_checkpoint(tmp_path / "run" / "checkpoints" / f"{p}.npz")[0]
         assert int(st.extra[f"{HELD_PREFIX}bn1.num_batches_tracked"]) == ROUNDS * BATCHES
+
+    simulate(load_config(cfg), tmp_path / "sim", progress=False)
+
+    def by_key(run: Path) -> dict[tuple[str, int], dict[str, Any]]:
+        return {(r["peer"], r["round"]): r for r in records_without_times(run)}
+
+    assert by_key(tmp_path / "run") == by_key(tmp_path / "sim")
+    for p in PEERS:
+        launched, simulated = (load_checkpoint(tmp_path / d / "checkpoints" / f"{p}.npz")[0] for d in ("run", "sim"))
+        assert torch.equal(launched.params, simulated.params), p
+        assert launched.extra.keys() == simulated.extra.keys(), p
+        assert all(torch.equal(launched.extra[k], simulated.extra[k]) for k in launched.extra), p
 
 
 def test_capture_takes_the_strategys_own_round1_content_and_survives_except_exception() -> None:

@@ -11,7 +11,9 @@ ConfigMap points every peer at its pod's DNS name, GPUs are requested per pod.
 from __future__ import annotations
 
 import base64
+import os
 import re
+import shutil
 import stat
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from typer.testing import CliRunner
 
 from p2pfl.cli.k8s import k8s_command
 from p2pfl.deploy.compose import ComposeError
-from p2pfl.deploy.k8s import GRPC_PORT, SERVICE, render_k8s
+from p2pfl.deploy.k8s import APP_MAX_BYTES, GRPC_PORT, SERVICE, render_k8s
 from p2pfl.security.certs import make_certs
 from p2pfl.topology import load_topology, parse_topology
 from p2pfl.topology.addressbook import parse_address_book
@@ -30,6 +32,7 @@ from p2pfl.topology.addressbook import parse_address_book
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_CONFIG = REPO / "peers" / "compose-ring4.yaml"
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+DNS_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")  # a ConfigMap key
 KINDS = {("v1", "ConfigMap"), ("v1", "Service"), ("v1", "Secret"), ("apps/v1", "StatefulSet")}
 
 
@@ -82,7 +85,13 @@ def validate(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]
                 vol = volumes.get(m["name"], {})
                 if "configMap" in vol:
                     cm = objs[("ConfigMap", vol["configMap"]["name"])]
-                    assert m.get("subPath") in cm["data"], f"{name}: ConfigMap has no key {m.get('subPath')}"
+                    items = vol["configMap"].get("items")
+                    if items is None or "subPath" in m:
+                        assert m.get("subPath") in cm["data"], f"{name}: ConfigMap has no key {m.get('subPath')}"
+                    for item in items or []:  # keys cannot hold '/': each item maps a key to a relative path
+                        assert item["key"] in cm["data"] and DNS_KEY.match(item["key"]), item["key"]
+                        assert not item["path"].startswith("/") and ".." not in item["path"].split("/")
+                    assert len({item["path"] for item in items or []}) == len(items or [])
             for key in ("requests", "limits"):
                 assert set(c["resources"][key]) >= {"cpu", "memory"}
             env = {e["name"]: e["value"] for e in c["env"]}
@@ -174,3 +183,76 @@ def test_bad_options_are_refused(tmp_path: Path) -> None:
                     ({"certs": tmp_path}, "not found")):
         with pytest.raises(ComposeError, match=msg):
             render_k8s(EXAMPLE_CONFIG, **kw)
+
+
+APP = REPO / "tests" / "apps" / "flower_bn_app"
+
+
+def _app_config(tmp_path: Path, app: Path) -> Path:
+    from p2pfl.topology import generate
+
+    generate("ring", 3).dump(tmp_path / "topology.yaml")
+    cfg = tmp_path / "app.yaml"
+    cfg.write_text(yaml.safe_dump({"name": "appdir", "rounds": 2, "topology": "topology.yaml",
+                                   "app": os.path.relpath(app, tmp_path)}))
+    return cfg
+
+
+def test_a_flower_app_directory_travels_in_a_configmap(tmp_path: Path) -> None:
+    """`app:` naming a Flower App directory: its files go into a ConfigMap whose items rebuild the tree, mounted
+    read-only where compose mounts it; every pod runs the Flower image and is told `--set app=` that path (a
+    host path given with --set is not passed on); caches and hidden files stay behind."""
+    app = tmp_path / "flower_bn_app"
+    shutil.copytree(APP, app, ignore=shutil.ignore_patterns("__pycache__"))
+    (app / "flower_bn_app" / "__pycache__").mkdir()
+    (app / "flower_bn_app" / "__pycache__" / "task.cpython-312.pyc").write_bytes(b"\x00\xff")
+    (app / ".git").mkdir()
+    (app / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (app / ".env").write_text("SECRET=1\n")
+    man = render_k8s(_app_config(tmp_path, app), sets=[f"app={app}", "rounds=3"])
+    objs = validate(man.documents)
+    cm = objs[("ConfigMap", "p2pfl-app")]
+    sts = [d for d in man.documents if d["kind"] == "StatefulSet"]
+    assert len(sts) == 3
+    want = {p.relative_to(APP).as_posix(): p.read_text() for p in APP.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
+    assert {"pyproject.toml", "flower_bn_app/__init__.py", "flower_bn_app/client_app.py",
+            "flower_bn_app/server_app.py", "flower_bn_app/task.py"} <= set(want)
+    for s in sts:
+        pod = s["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        assert c["image"] == "p2pfl:cpu-flower"
+        sets = [c["args"][i + 1] for i, a in enumerate(c["args"]) if a == "--set"]
+        assert [x for x in sets if x.startswith("app=")] == ["app=/p2pfl/flower-app"] and "rounds=3" in sets
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/p2pfl/flower-app"]
+        assert mount["readOnly"] is True and "subPath" not in mount
+        (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert vol["configMap"]["name"] == "p2pfl-app"
+        tree = {item["path"]: cm["data"][item["key"]] for item in vol["configMap"]["items"]}
+        assert tree == want  # the directory byte for byte, nothing else (no cache, no hidden files)
+    assert render_k8s(_app_config(tmp_path, app), gpus=1).documents[-1]["spec"]["template"]["spec"][
+        "containers"][0]["image"] == "p2pfl:cuda-flower"
+    assert "p2pfl-app" not in str(render_k8s(EXAMPLE_CONFIG).documents)  # no app: no ConfigMap, the plain image
+
+
+@pytest.mark.parametrize("problem", ["oversize", "binary"])
+def test_an_app_directory_a_configmap_cannot_carry_is_one_line_and_nothing_written(
+        tmp_path: Path, problem: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from p2pfl.cli.main import main
+
+    app = tmp_path / "flower_bn_app"
+    shutil.copytree(APP, app, ignore=shutil.ignore_patterns("__pycache__"))
+    if problem == "oversize":  # text, but more than a ConfigMap holds
+        (app / "flower_bn_app" / "weights.py").write_text("# " + "x" * APP_MAX_BYTES + "\n")
+    else:
+        (app / "flower_bn_app" / "data.bin").write_bytes(bytes(range(256)))
+    cfg = _app_config(tmp_path, app)
+    out = tmp_path / "k8s"
+    with pytest.raises(SystemExit) as exc:
+        main(["k8s", "-c", str(cfg), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"error: {cfg}: app: "), line
+    assert ("900 KiB" in line) if problem == "oversize" else ("data.bin" in line and "UTF-8" in line), line
+    assert not out.exists()

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from p2pfl.deploy.compose import DEFAULT_GPU_IMAGE, DEFAULT_IMAGE
+from p2pfl.deploy.compose import DEFAULT_GPU_IMAGE, DEFAULT_IMAGE, FLOWER_SUFFIX
 from p2pfl.deploy.k8s import APP_LABEL, SERVICE, dump_all, render_k8s
 
 
@@ -18,7 +18,8 @@ def k8s_command(
     set: Annotated[list[str] | None, typer.Option(
         "--set", help="override a config value: dotted.key=VALUE (repeatable; the pods get it too)")] = None,
     image: Annotated[str | None, typer.Option(
-        help=f"image every peer runs, e.g. a registry path (default {DEFAULT_IMAGE}, {DEFAULT_GPU_IMAGE} with --gpus)")]
+        help=f"image every peer runs, e.g. a registry path (default {DEFAULT_IMAGE}, {DEFAULT_GPU_IMAGE} with --gpus; "
+             f"{FLOWER_SUFFIX!r} appended when app: names a Flower App directory)")]
     = None,
     gpus: Annotated[int, typer.Option(help="NVIDIA GPUs each peer's pod requests (nvidia.com/gpu)")] = 0,
     certs: Annotated[Path | None, typer.Option(
@@ -29,7 +30,9 @@ def k8s_command(
     storage: Annotated[str, typer.Option(help="size of each peer's run-folder volume")] = "1Gi",
     insecure: Annotated[bool, typer.Option("--insecure", help="plaintext gRPC, no Secrets (debugging only)")] = False,
 ) -> None:
-    """Write Kubernetes manifests: one StatefulSet per peer, a headless Service, config and certificate Secrets."""
+    """Write Kubernetes manifests: one StatefulSet per peer, a headless Service, config and certificate Secrets.
+
+    A Flower App directory named by ``app:`` goes into a ConfigMap (``p2pfl-app``, text files up to 900 KiB)."""
     # Bad input (K8sError, ConfigError, TopologyError: all BadInput) reaches the CLI's main(): one line, exit 2.
     man = render_k8s(config, sets=set, image=image, gpus=gpus, certs=certs, namespace=namespace, cpu=cpu,
                      memory=memory, storage=storage, insecure=insecure)

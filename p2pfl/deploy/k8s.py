@@ -21,6 +21,13 @@ Why this shape (the user-facing version is ``docs/deploy.md``):
   no torch import) for readiness and liveness; the headless Service publishes not-ready addresses,
   so peers find each other while starting (a peer waits for its neighbours within the round deadline).
 * **GPUs**: ``--gpus N`` requests ``nvidia.com/gpu: N`` per pod: the scheduler gives each peer its own.
+* **A Flower App directory** named by ``app:`` travels in a second ConfigMap (``p2pfl-app``), one key
+  per file (keys cannot hold ``/``: the volume's ``items`` map each key back to its path), mounted
+  read-only where compose mounts it (``IN_APP_DIR``) and named to every peer with ``--set app=``; the
+  pods run the Flower image variant. ``__pycache__``, ``*.pyc`` and hidden files stay behind. A
+  ConfigMap holds at most 1 MiB, so a directory over ``APP_MAX_BYTES`` is refused, and so is a file
+  that is not UTF-8 text: an app directory is source code, and data belongs in the image or a volume
+  (``binaryData`` could carry bytes, but would hide a data set in etcd).
 * **Metrics**: each pod serves ``/metrics`` on the same port, annotated for Prometheus scraping.
 * Deterministic output (sorted keys, no timestamps), like ``p2pfl compose``.
 """
@@ -38,7 +45,9 @@ from p2pfl.deploy.compose import (
     CA_CERT,
     DEFAULT_GPU_IMAGE,
     DEFAULT_IMAGE,
+    FLOWER_SUFFIX,
     IN_ADDRESSES,
+    IN_APP_DIR,
     IN_CERTS,
     IN_CONFIG,
     IN_RUN,
@@ -46,6 +55,7 @@ from p2pfl.deploy.compose import (
     ComposeError,
     _override_key,
     _sorted,
+    app_directory,
     service_name,
 )
 
@@ -53,11 +63,15 @@ __all__ = ["K8sError", "Manifests", "render_k8s"]
 
 SERVICE = "p2pfl"
 CONFIGMAP = "p2pfl-config"
+APP_CONFIGMAP = "p2pfl-app"
+#: The most bytes of a Flower App directory's files one ConfigMap carries (the API server's limit is 1 MiB).
+APP_MAX_BYTES = 900 * 1024
 GRPC_PORT = 50051
 METRICS_PORT = 9400
 APP_LABEL = "app.kubernetes.io/name"
 PEER_LABEL = "p2pfl.dev/peer"
 _QUANTITY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
+_KEY_RE = re.compile(r"[^-._a-zA-Z0-9]")
 
 
 class K8sError(ComposeError):
@@ -86,6 +100,45 @@ def _quantity(value: str, what: str) -> str:
     if not _QUANTITY_RE.match(value):
         raise K8sError(f"--{what} {value!r}: not a Kubernetes quantity (e.g. 1, 500m, 3Gi)")
     return value
+
+
+def app_files(root: Path, where: str) -> dict[str, tuple[str, str]]:
+    """A Flower App directory's files as ConfigMap entries: key -> (path inside the directory, text).
+
+    Keys are the paths with ``/`` spelled ``__`` (a ConfigMap key is ``[-._a-zA-Z0-9]+``), made unique
+    by a numeric suffix; ``__pycache__``, ``*.pyc`` and hidden files or folders are left out. `K8sError`
+    (``where``: ``FILE: KEY``) for a directory without files, over ``APP_MAX_BYTES``, or a file that
+    is not UTF-8 text.
+    """
+    if not root.is_dir():
+        raise K8sError(f"{where}: {root} is not a directory")
+    out: dict[str, tuple[str, str]] = {}
+    total = 0
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if any(part.startswith(".") or part == "__pycache__" for part in rel.parts) or path.suffix == ".pyc":
+            continue
+        if not path.is_file():
+            continue
+        raw = path.read_bytes()
+        total += len(raw)
+        if total > APP_MAX_BYTES:
+            raise K8sError(f"{where}: the Flower App directory {root} holds more than {APP_MAX_BYTES // 1024} KiB "
+                           "of files, more than a ConfigMap carries; build an image with the app in it instead")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise K8sError(f"{where}: {rel.as_posix()} in the Flower App directory {root} is not UTF-8 text; a "
+                           "ConfigMap carries the app's source only: move data into the image or a volume") from None
+        key = base = _KEY_RE.sub("_", rel.as_posix().replace("/", "__"))[:240]
+        n = 1
+        while key in out:
+            n += 1
+            key = f"{base}-{n}"
+        out[key] = (rel.as_posix(), text)
+    if not out:
+        raise K8sError(f"{where}: the Flower App directory {root} has no files to ship")
+    return out
 
 
 def render_k8s(
@@ -123,15 +176,21 @@ def render_k8s(
         raise K8sError("two peer ids map to the same StatefulSet name; rename one of them")
     # Where the pods run: the headless service's DNS names (whatever the config's own book says).
     book = AddressBook(tuple((pid, pod_address(pid)) for pid in topo.ids))
-    image = image or (DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE)
+    app_dir = app_directory(cfg)
+    app = app_files(app_dir, f"{config}: app") if app_dir is not None else None
+    image = image or (DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE) + (FLOWER_SUFFIX if app is not None else "")
     meta_ns = {"namespace": namespace} if namespace else {}
     common = {APP_LABEL: "p2pfl", "app.kubernetes.io/part-of": cfg.name[:63]}
 
+    # The pods see the config's own overrides, then the in-pod paths (last: they win; a host path is dropped).
     args: list[str] = []
+    ours = ("topology", "network.addresses") + (("app",) if app is not None else ())
     for item in sets:
-        if _override_key(item) not in ("topology", "network.addresses"):
+        if _override_key(item) not in ours:
             args += ["--set", item]
     args += ["--set", f"topology={IN_TOPOLOGY}", "--set", f"network.addresses={IN_ADDRESSES}"]
+    if app is not None:
+        args += ["--set", f"app={IN_APP_DIR}"]
 
     docs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "ConfigMap",
@@ -145,6 +204,10 @@ def render_k8s(
                   "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc"},
                             {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]}},
     ]
+    if app is not None:
+        docs.insert(1, {"apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": APP_CONFIGMAP, "labels": dict(common), **meta_ns},
+                        "data": {key: text for key, (_, text) in app.items()}})
     probe = {"exec": {"command": ["p2pfl-entrypoint", "--healthcheck"]}, "periodSeconds": 15, "timeoutSeconds": 10,
              "failureThreshold": 3}
     for peer in topo.peers:
@@ -163,6 +226,10 @@ def render_k8s(
                   {"name": "config", "mountPath": IN_ADDRESSES, "subPath": "addresses.yaml", "readOnly": True},
                   {"name": "run", "mountPath": IN_RUN}]
         volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": CONFIGMAP}}]
+        if app is not None:  # the directory rebuilt from the keys, read-only where compose mounts it
+            mounts.append({"name": "flower-app", "mountPath": IN_APP_DIR, "readOnly": True})
+            volumes.append({"name": "flower-app", "configMap": {
+                "name": APP_CONFIGMAP, "items": [{"key": key, "path": rel} for key, (rel, _) in app.items()]}})
         if not insecure:
             mounts.append({"name": "certs", "mountPath": IN_CERTS, "readOnly": True})
             volumes.append({"name": "certs", "secret": {"secretName": secret_name(peer.id), "defaultMode": 0o400}})
