@@ -42,8 +42,8 @@ def load_data(partition_id: int, num_partitions: int, run_config):
                                           int(run_config["seed"]), alpha=float(run_config["alpha"]),
                                           samples_per_client=int(run_config["samples-per-partition"]))
     split = _partitions[key]
-    train_idx = torch.from_numpy(split.train[partition_id])
-    test_idx = torch.from_numpy(split.test[partition_id])
+    train_idx = torch.as_tensor(split.train[partition_id].copy())  # the split is read-only (shared)
+    test_idx = torch.as_tensor(split.test[partition_id].copy())
     batch_size = int(run_config["batch-size"])
     trainloader = DataLoader(TensorDataset(data.train_x[train_idx], data.train_y[train_idx]),
                              batch_size=batch_size, shuffle=True)
