@@ -30,7 +30,7 @@ from p2pfl.transport.grpc_service import (
     PeerServer,
     channel_options,
 )
-from p2pfl.transport.progress import Progress, catch_up_target, majority_round
+from p2pfl.transport.progress import RoundEvidence, catch_up_target, majority_round
 from p2pfl.wire.codec import encode_frames
 from tests.conftest import tiny_config
 from tests.swarm import CHUNK, SPECS, certs, cluster, free_base_port, free_ports, message, params, records
@@ -54,7 +54,7 @@ def test_majority_round_and_the_catch_up_rule() -> None:
     assert catch_up_target(5, {"a": 8}, ["a"], push=False, window=2, rounds=20) == 8
     assert catch_up_target(5, {"a": 20}, ["a"], push=True, window=2, rounds=20) is None  # past the run
     assert catch_up_target(5, {"a": 5}, ["a"], push=True, window=2, rounds=20) is None
-    p = Progress()
+    p = RoundEvidence()
     p.saw("a", 3)
     p.saw("a", 2)
     assert p.rounds(["a", "b"]) == {"a": 3}

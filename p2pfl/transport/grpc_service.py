@@ -41,7 +41,7 @@ from p2pfl.transport.limits import (
     bounded,
     safe_deserializer,
 )
-from p2pfl.transport.progress import Progress
+from p2pfl.transport.progress import RoundEvidence
 from p2pfl.transport.pushsum import ReceiverLedger
 from p2pfl.wire.codec import DEFAULT_CHUNK_BYTES, Decoder, EncodedPayload, RawData, encode_frames, parse_frame
 from p2pfl.wire.compress import WireFormat
@@ -203,7 +203,7 @@ class PeerServer:
         self.window = 2
         # Per in-neighbour, the highest round of a validated payload accepted from it: the only thing
         # the catch-up believes (never the round a request claims; docs/protocol.md, "Catching up").
-        self.progress = Progress()
+        self.progress = RoundEvidence()
         self._given: dict[str, tuple[int, dict[int, EncodedPayload]]] = {}  # push mode: last round mixed by each
         # push mode: (receiver, round, step) of every OK this peer heard, durable (its pushes log)
         self.given_keys: set[tuple[str, int, int]] | frozenset[tuple[str, int, int]] = frozenset()

@@ -400,7 +400,7 @@ class GrpcTransport(Transport):
 
         UNAVAILABLE (connection lost, neighbour restarting, or the round too far ahead of it) is
         retried with jittered exponential backoff until the deadline; every other status is final.
-        A payload that passed validation is evidence that ``peer`` reached ``round`` (`Progress`).
+        A payload that passed validation is evidence that ``peer`` reached ``round`` (`RoundEvidence`).
         ``evidence``: ask a push-mode peer for its published payload (not a recovery; never mixed).
         """
         nbr = self._neighbour(peer)
@@ -675,7 +675,7 @@ class GrpcTransport(Transport):
 
     def _prove(self, peer: str, timeout_s: float) -> None:
         """Ask ``peer`` where it is (Status: a claim, used only as where to look), then pull that
-        round's payload (its step 0): once it passes validation it is evidence (`Progress`). A peer
+        round's payload (its step 0): once it passes validation it is evidence (`RoundEvidence`). A peer
         that claims a round it never published proves nothing; one that does not answer, neither."""
         deadline = time.monotonic() + timeout_s
         try:

@@ -19,10 +19,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
-__all__ = ["Progress", "catch_up_target", "majority_round"]
+__all__ = ["RoundEvidence", "catch_up_target", "majority_round"]
 
 
-class Progress:
+class RoundEvidence:
     """Per in-neighbour, the highest round of a validated, accepted payload from it (thread-safe).
 
     Written by the server (a push accepted into the inbox) and by the client side (a pulled payload
