@@ -58,14 +58,10 @@ def _crc(arrays: Mapping[str, np.ndarray]) -> int:
 
 def _comparable(raw: Mapping[str, Any]) -> dict[str, Any]:
     """``raw`` without the operational keys (a deep copy through JSON: plain data only)."""
+    from p2pfl.config import drop_dotted
+
     out = json.loads(json.dumps(raw, default=str))
-    for key in OPERATIONAL_KEYS:
-        *parents, last = key.split(".")
-        node = out
-        for p in parents:
-            node = node.get(p) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(last, None)
+    drop_dotted(out, OPERATIONAL_KEYS)
     return out
 
 

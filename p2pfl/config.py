@@ -22,6 +22,7 @@ import copy
 import functools
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -262,6 +263,17 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
             raise ConfigError(f"cannot set it: {p!r} is not a mapping", key=shorten(key))
         node = nxt
     node[parts[-1]] = copy.deepcopy(value)
+
+
+def drop_dotted(data: dict[str, Any], keys: Iterable[str]) -> None:
+    """Remove each dotted ``key`` (``a.b.c``) from ``data`` in place, where it is present."""
+    for key in keys:
+        *parents, leaf = key.split(".")
+        node: Any = data
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
 
 
 def parse_override(item: str) -> tuple[str, Any]:

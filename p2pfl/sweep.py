@@ -59,6 +59,7 @@ import yaml
 from p2pfl.config import (
     ConfigError,
     apply_overrides,
+    drop_dotted,
     parse_config,
     resolve_path,
     set_dotted,
@@ -462,13 +463,7 @@ def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
         key = _topology_key(topo)
         if key is not None:
             out["topology"] = key
-    for key in RESULT_NEUTRAL_KEYS:
-        *parents, leaf = key.split(".")
-        node = out
-        for p in parents:
-            node = node.get(p) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(leaf, None)
+    drop_dotted(out, RESULT_NEUTRAL_KEYS)
     return out
 
 
