@@ -6,6 +6,7 @@ import collections
 import gzip
 import importlib.util
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -336,3 +337,32 @@ def test_the_pre_gossip_accuracy_is_read_where_a_run_recorded_it(tmp_path: Path,
     monkeypatch.setattr(rmd, "ROOT", tmp_path)
     e = rmd.read_evidence(folder)
     assert e is not None and e.final == pytest.approx(0.6) and e.final_pre_gossip == pytest.approx(0.85)
+
+
+def test_dpsgd_and_dispfl_name_the_metric_nearer_the_paper_per_cell_and_per_row() -> None:
+    """Issue 69: both metrics in every D-PSGD / DisPFL cell, and the one closest to the paper's row named."""
+    assert rmd.closest_metric(89.66, 82.03, 77.45) == {"personalized_gap_pts": 12.21, "averaged_gap_pts": 4.58,
+                                                       "closer": "x̄"}
+    assert rmd.closest_metric(93.83, 72.46, 95.74)["closer"] == "personalized"
+    assert rmd.closest_metric(None, 72.46, 95.74) is None  # a cell without both numbers names none
+    cells = [{"table": "deprl-t1", "case": "dpsgd", "method": "D-PSGD",
+              "closest_metric": rmd.closest_metric(p, x, paper)}
+             for p, x, paper in ((90.0, 80.0, 79.0), (90.0, 86.0, 88.0), (85.0, 70.0, 86.0))]
+    cells.append({"table": "deprl-t1", "case": "deprl-epochs", "method": "DePRL"})  # scored one way only
+    [row] = rmd.metric_by_row(cells)
+    # per cell: x̄, x̄, personalized; over the row: personalized 11+2+1 = 14/3, x̄ 1+2+16 = 19/3
+    assert (row["cells"], row["closer"]) == (3, "personalized")
+    assert row["personalized_mean_gap_pts"] == pytest.approx(14 / 3, abs=0.01)
+    assert row["averaged_mean_gap_pts"] == pytest.approx(19 / 3, abs=0.01)
+
+
+def test_results_md_opens_with_the_claims_and_shows_the_authors_settings_with_their_sources(tmp_path: Path) -> None:
+    results = json.loads(rmd.RESULTS_JSON.read_text())
+    doc = rmd.render(results, tmp_path / "results.md", plots=False)
+    opening = doc[doc.index("## How the runs are made") - 2]
+    assert opening.startswith("**What the papers claim and what we measure.**")
+    assert "DePRL > D-PSGD: " in opening and "DFedPGP > DFedAvgM" in opening
+    start = doc.index("## DePRL at the authors' code's settings: Ring (issue 69)")
+    cited = [line for line in doc[start:start + 20] if line.startswith("- ")]
+    assert len(cited) == len(rmd.AUTHORS_SETTINGS) and all(re.search(r"`\w+(/\w+)?\.py:\d+", c) for c in cited)
+    assert any(line.startswith("### Which metric the paper's D-PSGD and DisPFL rows read as") for line in doc)
