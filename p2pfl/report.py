@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from p2pfl.badinput import BadInput
 from p2pfl.runfolder import read_metrics
 
 RUN_FILES = ("summary.json", "metrics.jsonl", "config.yaml")
@@ -40,8 +41,9 @@ DASH = "—"
 _MISSING = "\0missing"  # a key absent from a run's config differs from any value, None included
 
 
-class ReportError(ValueError):
-    """Nothing to report on, or a grouping key that no run has."""
+class ReportError(BadInput):
+    """Nothing to report on, a grouping key that no run has, or a run folder that cannot be rebuilt: a
+    `BadInput` (one line, exit 2), like every input the user named that is wrong."""
 
 
 @dataclass

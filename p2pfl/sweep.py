@@ -56,6 +56,7 @@ from typing import IO, Any
 
 import yaml
 
+from p2pfl.badinput import BadInput
 from p2pfl.config import (
     ConfigError,
     apply_overrides,
@@ -76,8 +77,9 @@ SWEEP_ORDERS = ("cases", "grid")
 STOP_GRACE_S = 15.0
 
 
-class SweepError(ValueError):
-    """The sweep file or one of its cells is invalid; nothing was run."""
+class SweepError(BadInput):
+    """The sweep file or one of its cells is invalid (or its folder is held by another sweep); nothing
+    was run. A `BadInput`: the command prints it on one line and exits 2, as for every bad input."""
 
 
 @dataclass(frozen=True)
@@ -396,52 +398,34 @@ def _normalize(cfg: dict[str, Any]) -> dict[str, Any]:
     return yaml.safe_load(yaml.safe_dump(cfg, sort_keys=True))
 
 
-#: A path inside a code snapshot of `bench/reproduce/table1/run.sh`: ``.../code-<12 hex>/<path in the repo>``.
-_SNAPSHOT_PATH = re.compile(r"(?:^|/)code-([0-9a-f]{12})/(.+)$")
-#: Where git looks for a snapshot's commit: this package's checkout (none for an installed wheel).
-_REPO = Path(__file__).resolve().parent
+#: The copy of its topology file that every run folder holds (p2pfl.runfolder): what a finished cell ran
+#: on, when the path its config names is gone (it ran from a code snapshot of another checkout).
+RUN_TOPOLOGY = "topology.yaml"
 
 
-def _topology_bytes(path: str) -> bytes | None:
-    """The topology file's content: from disk, or, for a snapshot folder that is gone (a cell that
-    finished on another checkout), from git at the snapshot's commit. None when neither is at hand."""
-    p = Path(path)
-    if p.is_file():
-        return p.read_bytes()
-    m = _SNAPSHOT_PATH.search(path)
-    if m is None:
-        return None
-    sha, rel = m.groups()
-    try:
-        got = subprocess.run(["git", "show", f"{sha}:{rel}"], capture_output=True, timeout=30,
-                             cwd=_REPO)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return got.stdout if got.returncode == 0 else None
-
-
-def _topology_key(path: str) -> str | None:
+def _topology_key(path: str | Path) -> str | None:
     """What of a topology file decides results: its graph (``Topology.hash``, which leaves out the
     addresses, kept apart since the address book), else its bytes; None when the file is not at hand."""
-    content = _topology_bytes(path)
-    if content is None:
+    try:
+        content = Path(path).read_bytes()
+    except OSError:
         return None
     try:
         from p2pfl.topology import parse_topology
         from p2pfl.yamlsafe import load_yaml_text
 
-        return "graph:" + parse_topology(load_yaml_text(content.decode("utf-8"), path), path).hash()
+        return "graph:" + parse_topology(load_yaml_text(content.decode("utf-8"), str(path)), str(path)).hash()
     except (ValueError, UnicodeDecodeError):  # BadInput/TopologyError are ValueErrors
         return "sha1:" + hashlib.sha1(content).hexdigest()
 
 
-def _with_local_topology(saved: Any, planned: dict[str, Any]) -> Any:
-    """A saved config whose topology file is gone (its code snapshot was on another checkout) but
-    whose content, from git, is the planned one's: the planned path instead, so it parses."""
+def _with_local_topology(saved: Any, planned: dict[str, Any], cell_dir: Path) -> Any:
+    """A saved config whose topology file is gone (its code snapshot was on another checkout): when the
+    run folder's own copy (``RUN_TOPOLOGY``) has the planned graph, the planned path instead, so it parses."""
     if not (isinstance(saved, dict) and isinstance(saved.get("topology"), str)
             and isinstance(planned.get("topology"), str)) or Path(saved["topology"]).is_file():
         return saved
-    mine, theirs = _topology_key(saved["topology"]), _topology_key(planned["topology"])
+    mine, theirs = _topology_key(cell_dir / RUN_TOPOLOGY), _topology_key(planned["topology"])
     if mine is None or mine != theirs:
         return saved
     return {**saved, "topology": planned["topology"]}
@@ -479,7 +463,7 @@ def cell_state(cell_dir: Path, config: dict[str, Any]) -> str:
         return "interrupted"
     try:
         ran = json.loads(summary.read_text()).get("rounds")
-        done = parse_config(_with_local_topology(yaml.safe_load(saved.read_text()), config)).raw
+        done = parse_config(_with_local_topology(yaml.safe_load(saved.read_text()), config, cell_dir)).raw
     except (OSError, ValueError, yaml.YAMLError, TypeError, AttributeError):
         return "interrupted"
     if ran is not None and ran != done.get("rounds"):

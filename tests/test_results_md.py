@@ -366,3 +366,49 @@ def test_results_md_opens_with_the_claims_and_shows_the_authors_settings_with_th
     cited = [line for line in doc[start:start + 20] if line.startswith("- ")]
     assert len(cited) == len(rmd.AUTHORS_SETTINGS) and all(re.search(r"`\w+(/\w+)?\.py:\d+", c) for c in cited)
     assert any(line.startswith("### Which metric the paper's D-PSGD and DisPFL rows read as") for line in doc)
+
+
+def test_restore_gives_a_cell_its_topology_from_git_at_the_snapshots_commit(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The evidence leaves out each run folder's topology copy; a cell run from a code snapshot
+    (``code-<sha>/topology/...`` in its config) gets it back from git at that commit, so the sweep of a fresh
+    checkout sees the graph it ran on (and reruns it when git does not have the file)."""
+    import subprocess
+
+    from p2pfl import sweep
+    from p2pfl.topology import generate
+
+    repo = tmp_path / "repo"
+    (repo / "topology").mkdir(parents=True)
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(repo), "PATH": "/usr/bin:/bin:/usr/local/bin"}
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    generate("ring", 4, base_port=60000).dump(repo / "topology" / "ring-4.yaml")
+    git("add", ".")
+    git("commit", "-qm", "topology")
+    sha = git("rev-parse", "--short=12", "HEAD").strip()
+    monkeypatch.setattr(rmd, "ROOT", repo)
+
+    planned_cfg = tiny_config(tmp_path)
+    planned = sweep._normalize(yaml.safe_load(planned_cfg.read_text()))
+    name = rmd.folder(rmd.SWEEPS[0].files[0])
+    evidence = tmp_path / "evidence"
+    for cell, topology in (("kept", "ring-4.yaml"), ("gone", "ring-9.yaml")):
+        folder = evidence / name / cell
+        folder.mkdir(parents=True)
+        cfg = {**yaml.safe_load(planned_cfg.read_text()),
+               "topology": f"/elsewhere/runs/reproduce/code-{sha}/topology/{topology}"}
+        (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
+        (folder / "summary.json").write_text("{}")
+        with gzip.open(folder / "metrics.jsonl.gz", "wt") as f:
+            f.write("")
+    runs = tmp_path / "runs"
+    assert sorted(rmd.restore(runs, evidence)) == [f"{name}/gone", f"{name}/kept"]
+    kept, gone = runs / name / "kept", runs / name / "gone"
+    assert (kept / sweep.RUN_TOPOLOGY).read_bytes() == (repo / "topology" / "ring-4.yaml").read_bytes()
+    assert sweep.cell_state(kept, planned) == "finished"
+    assert not (gone / sweep.RUN_TOPOLOGY).exists() and sweep.cell_state(gone, planned) == "interrupted"

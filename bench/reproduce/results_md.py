@@ -30,6 +30,7 @@ import json
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -263,6 +264,32 @@ def _mark_restored(cell: Path, dst: Path) -> None:
     (dst / RESTORED).write_text(json.dumps({"restored_from": str(cell)}) + "\n")
 
 
+#: A path inside a code snapshot of run.sh (``.../code-<12 hex>/<path in the repo>``): the commit that ran a cell.
+SNAPSHOT_PATH = re.compile(r"(?:^|/)code-([0-9a-f]{12})/(.+)$")
+
+
+def _restore_topology(dst: Path) -> None:
+    """Give a restored cell the copy of its topology that every run folder holds (``sweep.RUN_TOPOLOGY``;
+    the evidence leaves it out): from git at the commit of the code snapshot its config names, so that the
+    sweep compares the graph the cell ran on with the planned one. Left out when git does not have it (the
+    sweep then reruns the cell: a cell is never counted finished on a graph nobody can show)."""
+    from p2pfl.sweep import RUN_TOPOLOGY
+
+    if (dst / RUN_TOPOLOGY).is_file():
+        return
+    topology = (yaml.safe_load((dst / "config.yaml").read_text()) or {}).get("topology")
+    m = SNAPSHOT_PATH.search(topology) if isinstance(topology, str) else None
+    if m is None:
+        return
+    sha, rel = m.groups()
+    try:
+        got = subprocess.run(["git", "show", f"{sha}:{rel}"], capture_output=True, timeout=30, cwd=ROOT)
+    except (OSError, subprocess.SubprocessError):
+        return
+    if got.returncode == 0:
+        (dst / RUN_TOPOLOGY).write_bytes(got.stdout)
+
+
 def restore(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
     """The inverse of `collect` for cells missing under ``runs``: put each committed cell's
     ``config.yaml``, ``summary.json`` and ``metrics.jsonl`` (and ``partition.json``) back, so that a
@@ -280,6 +307,7 @@ def restore(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
         dst = runs / name / cell.name
         if dst.exists():
             if _packed_copy(dst, cell):
+                _restore_topology(dst)
                 _unpack(cell, dst)
                 _mark_restored(cell, dst)
                 restored.append(f"{name}/{cell.name}")
@@ -289,6 +317,7 @@ def restore(runs: Path, evidence: Path = EVIDENCE) -> list[str]:
         tmp.mkdir(parents=True)
         for file in _COPIED:
             shutil.copyfile(cell / file, tmp / file)
+        _restore_topology(tmp)
         _unpack(cell, tmp)
         _mark_restored(cell, tmp)
         tmp.rename(dst)  # whole or absent: a kill mid-restore leaves only the .restoring folder

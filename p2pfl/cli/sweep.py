@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from p2pfl.badinput import EXIT_BAD_INPUT
+
 if TYPE_CHECKING:
     from p2pfl.sweep import SweepResult
 
@@ -34,7 +36,7 @@ def sweep_command(
         result = run_sweep(spec, out, jobs=jobs, dry_run=dry_run, progress=not quiet, only=only)
     except SweepError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None  # bad input: nothing ran
+        raise typer.Exit(EXIT_BAD_INPUT) from None  # bad input: nothing ran
     except KeyboardInterrupt:
         typer.echo("interrupted: rerun the same command to resume", err=True)
         raise typer.Exit(130) from None
@@ -98,7 +100,7 @@ def report_command(
         rep = make_report(dirs, folder, target=target, by=keys or None)
     except ReportError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(EXIT_BAD_INPUT) from None
     typer.echo(rep.markdown)
     for w in rep.warnings:
         typer.echo(f"warning: {w}", err=True)
