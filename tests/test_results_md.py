@@ -272,8 +272,20 @@ def test_the_paper_model_has_the_tighter_target() -> None:
     assert "within the 4-point cnn_small target" in rmd.vs_paper(93.0, 0.5, 96.66, 0.2)
     assert "outside the 1.5-point alexnet target" in rmd.vs_paper(93.0, 0.5, 96.66, 0.2, "alexnet")
     assert "within the 1.5-point alexnet target" in rmd.vs_paper(95.5, 0.1, 96.66, 0.2, "alexnet")
+    assert "outside the 1.5-point alexnet_fmnist target" in rmd.vs_paper(93.0, 0.5, 96.66, 0.2, "alexnet_fmnist")
     alex = [s for s in rmd.SWEEPS if s.table == "deprl-t1-alexnet"]
-    assert [s.model for s in alex] == ["alexnet"] and all(s.model == "cnn_small" for s in rmd.SWEEPS if s not in alex)
+    theirs = [s for s in rmd.SWEEPS if s.table == "deprl-t1-authors-alexnet"]
+    assert [s.model for s in alex] == ["alexnet"] and {s.model for s in theirs} == {"alexnet_fmnist"}
+    assert all(s.model == "cnn_small" for s in rmd.SWEEPS if s not in alex + theirs)
+    # the authors' model on every graph and pi, Random as they build it (Erdos-Renyi p 0.25)
+    assert sorted((s.graph, s.pi) for s in theirs) == sorted((g, pi) for g, _ in rmd.GRAPHS for pi in rmd.PIS)
+    for sweep in theirs:
+        [f] = sweep.files
+        spec = yaml.safe_load((rmd.TABLE1_DIR / f"{f}.yaml").read_text())
+        assert spec["set"]["model"] == {"name": "alexnet_fmnist", "head_layers": 3}
+        assert spec["set"]["rounds"] == 200 and spec["set"]["data.partition.pi"] == sweep.pi
+        assert spec["set"]["topology"] == {"ring": "topology/ring-128.yaml", "random": "topology/er-128-p0.25.yaml",
+                                           "fc": "topology/full-128.yaml"}[sweep.graph]
     for sweep in alex:  # its files exist and set the model; the cells are the cnn_small Ring pi 0.1 cases
         for f in sweep.files:
             spec = yaml.safe_load((rmd.TABLE1_DIR / f"{f}.yaml").read_text())
@@ -362,7 +374,7 @@ def test_results_md_opens_with_the_claims_and_shows_the_authors_settings_with_th
     opening = doc[doc.index("## How the runs are made") - 2]
     assert opening.startswith("**What the papers claim and what we measure.**")
     assert "DePRL > D-PSGD: " in opening and "DFedPGP > DFedAvgM" in opening
-    start = doc.index("## DePRL at the authors' code's settings: Ring (issue 69)")
+    start = doc.index("## DePRL at the authors' code's settings (issue 69)")
     cited = [line for line in doc[start:start + 20] if line.startswith("- ")]
     assert len(cited) == len(rmd.AUTHORS_SETTINGS) and all(re.search(r"`\w+(/\w+)?\.py:\d+", c) for c in cited)
     assert any(line.startswith("### Which metric the paper's D-PSGD and DisPFL rows read as") for line in doc)
