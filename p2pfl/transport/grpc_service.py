@@ -58,22 +58,10 @@ from p2pfl.transport.service_config import ServiceConfig
 from p2pfl.wire.codec import DEFAULT_CHUNK_BYTES, EncodedPayload
 from p2pfl.wire.compress import WireFormat
 
-__all__ = [
-    "ABSORBED_MD",
-    "DECISION_ROUNDS",
-    "EVIDENCE_MD",
-    "GIVEN_MD",
-    "HEADER_SLACK",
-    "KEEP_MD",
-    "PULL_METHOD",
-    "PUSH_METHOD",
-    "SERVICE",
-    "STATUS_METHOD",
-    "PeerServer",
-    "channel_options",
-    "grpc_message_limit",
-    "server_options",
-    "status_for",
+__all__ = [  # the wire contract's names are `rpc`'s, importable from here as before
+    "ABSORBED_MD", "DECISION_ROUNDS", "EVIDENCE_MD", "GIVEN_MD", "HEADER_SLACK", "KEEP_MD", "PULL_METHOD",
+    "PUSH_METHOD", "SERVICE", "STATUS_METHOD", "PeerServer", "channel_options", "grpc_message_limit",
+    "server_options", "status_for",
 ]
 
 log = logging.getLogger(__name__)
@@ -101,7 +89,7 @@ class PeerServer:
         self.progress = RoundEvidence()
         # Push-sum ledger, receiver side (p2pfl/transport/pushsum.py), under this server's lock.
         self.ledger = ReceiverLedger(self._cond)
-        self.publications = PublicationWindow(self._cond, self.config, on_advance=self._on_advance)
+        self.publications = PublicationWindow(self._cond, self.config, on_advance=lambda r: self.pushes.prune(r))
         self.pushes = Inbox(self._cond, self.config, self.publications, self.ledger, self.progress)
         self.given = GivenPayloads(self._cond, self.publications)  # push mode: what a restarted receiver recovers
         self.admission = Admission(self.config)
@@ -283,9 +271,6 @@ class PeerServer:
     def set_round(self, round: int) -> None:
         """Advance the current round (never backwards) and drop what is older than ``round - window``."""
         self.publications.advance(round)
-
-    def _on_advance(self, round: int) -> None:
-        self.pushes.prune(round)
 
     def finish(self, rounds: int) -> None:
         """This peer finished the run (its last round checkpointed): Status reports ``rounds`` from now on."""

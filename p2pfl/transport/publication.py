@@ -3,8 +3,8 @@
 Why: a payload is encoded once and streamed as is to every puller; a Pull for one not yet published
 waits on the server's condition until it is, or until the caller's deadline. Memory stays bounded:
 payloads of rounds older than ``current - size`` are dropped. The round lives here because it is
-what the window slides on; the inbox and the handlers read it (docs/protocol.md, "Rounds and the
-window"). `GivenPayloads` is the push-mode counterpart: the one payload a restarted receiver may
+what the window slides on; the inbox and the handlers read it (docs/protocol.md, "Bounded
+skew"). `GivenPayloads` is the push-mode counterpart: the one payload a restarted receiver may
 recover with a Pull.
 
 Every method that touches state takes the server's condition (``cond``, reentrant), the one lock
