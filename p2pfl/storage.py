@@ -106,7 +106,7 @@ def retrying(path: str | os.PathLike[str], fn: Callable[[], T], what: str = "wri
                 raise StorageError(path, f"cannot {what}: {_problem(exc)} (gave up after {failures} "
                                          f"attempt{'s' if failures > 1 else ''} in {budget:g} s)") from None
             pause = min(wait, left)
-            log.warning("storage: %s: cannot %s: %s; retrying in %.1f s (%.0f s of %g s left)", path, what,
+            log.warning("storage: %s: cannot %s: %s; retrying in %.1f s (%.1f s of %g s left)", path, what,
                         _problem(exc), pause, left, budget)
             time.sleep(pause)
             wait = min(wait * 2, _MAX_WAIT_S)

@@ -279,11 +279,25 @@ def _can_mount(tmp: Path) -> bool:
     return ok
 
 
+def _fill(path: Path) -> None:
+    """Take every free byte of the file system: ever smaller writes until even a page fails."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for size in (1 << 20, 1 << 16, 1 << 12, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["full", "read-only"])
 def test_a_real_tmpfs_full_or_read_only_at_a_random_round_is_waited_out(tmp_path: Path, kind: str) -> None:
     """The same on a real device: the run folder on a 16 MiB tmpfs that fills up (a filler file takes
-    every free byte) or is remounted read-only for 1-3 s at a random round."""
+    every free byte) or turns read-only (a read-only bind mount over it) for 1-3 s at a random round."""
     if not _can_mount(tmp_path):
         pytest.skip("needs root and mount (a tmpfs); the P2PFL_FAULT_STORAGE tests cover the rest")
     rng = fault_rng()
@@ -296,26 +310,23 @@ def test_a_real_tmpfs_full_or_read_only_at_a_random_round_is_waited_out(tmp_path
         with peers(cfg, out, tmp_path) as procs:
             random_instant(out, rng.choice(PEERS), rng, procs, tmp_path, 1, 4)
             if kind == "full":
-                with open(out / "filler", "wb") as f:
-                    try:
-                        while True:
-                            f.write(b"\0" * (1 << 16))
-                            f.flush()
-                    except OSError as exc:
-                        assert exc.errno == errno.ENOSPC
-            else:
-                subprocess.run(["mount", "-o", "remount,ro", str(out)], check=True)
+                _fill(out / "filler")
+            else:  # a read-only bind mount over it (a remount of the tmpfs itself is refused while files are open)
+                subprocess.run(["mount", "--bind", str(out), str(out)], check=True)
+                subprocess.run(["mount", "-o", "remount,bind,ro", str(out)], check=True)
             time.sleep(rng.uniform(1.0, 3.0))
             if kind == "full":
                 (out / "filler").unlink()
             else:
-                subprocess.run(["mount", "-o", "remount,rw", str(out)], check=True)
+                subprocess.run(["umount", str(out)], check=True)  # the bind mount: writable again
             for pid, p in procs.items():
                 assert p.wait(90) == 0, (tmp_path / f"{pid}.log").read_text()[-3000:]
         _each_round_once(out, rounds)
         _no_traceback(tmp_path)
+        assert _storage_lines(tmp_path) >= 1  # it did strike, and was logged on one line
     finally:
-        subprocess.run(["umount", "-l", str(out)], check=False)
+        while subprocess.run(["umount", "-l", str(out)], capture_output=True).returncode == 0:
+            pass  # the bind mount if still there, then the tmpfs
 
 
 @pytest.mark.timeout(150)
