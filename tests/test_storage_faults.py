@@ -329,34 +329,52 @@ def test_a_real_tmpfs_full_or_read_only_at_a_random_round_is_waited_out(tmp_path
             pass  # the bind mount if still there, then the tmpfs
 
 
+def _mixed(out: Path, by: str, of: str) -> set[int]:
+    """The rounds in which ``by`` mixed a payload of ``of`` (``of`` not missing from its record)."""
+    return {r["round"] for r in records(out / f"metrics-{by}.jsonl") if of not in r["missing"]}
+
+
 @pytest.mark.timeout(150)
-def test_kill9_at_a_random_instant_leaves_every_mixed_round_recorded_exactly_once(tmp_path: Path) -> None:
-    """p3 killed -9 at a random instant (drawn in rounds) and restarted once its neighbours, who do not
-    wait for it (2 s deadline), are beyond the window: every round is recorded at most once by every
-    peer, a gap only where the peer says it fast-forwarded, and every round of p3 whose payload a
-    neighbour mixed (p3 not missing from that neighbour's record) is in p3's metrics."""
+def test_kill9_between_the_exchange_and_the_checkpoint_leaves_the_mixed_round_recorded_once(tmp_path: Path) -> None:
+    """Issue 68, part 6, on real processes: a directed ring of 4 (p2 -> p3 -> p0) with p2 slow, so that p0
+    has mixed p3's round-k payload while p3 still waits for p2's; p3 is killed -9 then (k drawn from the
+    printed seed, 2-5, plus a random 0-50 ms), and restarted once its neighbours are 5 rounds ahead,
+    beyond the window (2 s deadline: they do not wait for it). After: every peer's rounds once, a gap
+    only where it says it fast-forwarded, and p3's round k -- and every round of p3 a neighbour mixed --
+    in p3's metrics. Before, p3 fast-forwarded over round k, unrecorded."""
     rng = fault_rng()
-    rounds = 30
-    cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds,
-                      network={"round_timeout_s": 2.0, "probe_s": 0.3, "slowdown": {"p0": 40.0, "p1": 40.0,
-                                                                                      "p2": 40.0, "p3": 40.0}})
+    rounds = 24
+    cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds, kind="directed_ring",
+                      network={"round_timeout_s": 2.0, "probe_s": 1.0, "slowdown": {"p2": 60.0}})
     out = tmp_path / "run"
     with peers(cfg, out, tmp_path) as procs:
-        random_instant(out, "p3", rng, procs, tmp_path, 2, 6)
+        k = rng.randint(2, 5)
+        wait_rounds(out, "p3", k, procs, tmp_path)  # p3 is in round k (or later)
+        t0 = time.monotonic()
+        while True:  # p0 mixed p3's round k, and p3 did not record it yet: in its exchange, before its checkpoint
+            assert time.monotonic() - t0 < 60, "never saw p3 between its exchange and its checkpoint"
+            have = len(records(out / "metrics-p3.jsonl"))
+            if have > k:
+                k = have  # p3 got through round k first: the next round
+            elif k in _mixed(out, "p0", "p3"):
+                break
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.05))
         os.killpg(procs["p3"].pid, signal.SIGKILL)
         procs["p3"].wait(10)
-        done = len(records(out / "metrics-p3.jsonl"))
-        wait_rounds(out, "p0", min(rounds - 8, done + 5), procs, tmp_path)  # beyond the window (2)
+        print(f"p3 killed in round {k} (p0 mixed its round-{k} payload)")
+        wait_rounds(out, "p0", min(rounds - 6, k + 6), procs, tmp_path)  # 5 rounds ahead: beyond the window
         procs["p3"] = spawn_node(cfg, "p3", out, tmp_path / "certs", tmp_path / "p3.log")
         for pid, p in procs.items():
             assert p.wait(120) == 0, (tmp_path / f"{pid}.log").read_text()[-3000:]
-    mine = records(out / "metrics-p3.jsonl")
-    got = [r["round"] for r in mine]
-    assert got == sorted(set(got)), got  # none twice
-    for prev, rec in zip(mine, mine[1:], strict=False):
-        if rec["round"] != prev["round"] + 1:
-            assert rec.get("fast_forward_from") == prev["round"] + 1, got
-    mixed = {r["round"] for pid in ("p0", "p2") for r in records(out / f"metrics-{pid}.jsonl")
-             if "p3" not in r["missing"]}
-    assert mixed <= set(got), (sorted(mixed - set(got)), got)
+    for pid in PEERS:
+        mine = records(out / f"metrics-{pid}.jsonl")
+        got = [r["round"] for r in mine]
+        assert got == sorted(set(got)) and got[0] == 0, (pid, got)  # none twice
+        for prev, rec in zip(mine, mine[1:], strict=False):
+            if rec["round"] != prev["round"] + 1:
+                assert rec.get("fast_forward_from") == prev["round"] + 1, (pid, got)
+    got = [r["round"] for r in records(out / "metrics-p3.jsonl")]
+    assert k in got, (k, got)
+    assert _mixed(out, "p0", "p3") <= set(got), (sorted(_mixed(out, "p0", "p3") - set(got)), got)
     _no_traceback(tmp_path)
