@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import zipfile
 import zlib
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ import torch
 
 from p2pfl.algorithms.base import PeerState
 from p2pfl.badinput import BadInput, shorten
+from p2pfl.storage import atomic_write
 
 __all__ = ["FORMAT", "CheckpointError", "Verified", "changed_keys", "checkpoint_info", "config_fingerprint",
            "load_checkpoint", "reconcile_metrics", "save_checkpoint", "verify_checkpoint"]
@@ -89,10 +89,9 @@ def changed_keys(old_raw: Mapping[str, Any], new_raw: Mapping[str, Any]) -> list
 
 def save_checkpoint(path: str | Path, state: PeerState, generator: torch.Generator, meta: dict | None = None,
                     durable: bool = True) -> None:
-    """Write atomically (temporary file + rename); ``durable`` also fsyncs it before the rename, so
-    that it survives a power loss, not only a kill of the process."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write atomically (`p2pfl.storage.atomic_write`: temporary file + rename; a storage fault is
+    retried, then `StorageError`); ``durable`` also fsyncs it before the rename, so that it survives
+    a power loss, not only a kill of the process."""
     arrays: dict[str, np.ndarray] = {
         "params": state.params.detach().cpu().numpy(),
         "rng": generator.get_state().numpy(),
@@ -102,13 +101,7 @@ def save_checkpoint(path: str | Path, state: PeerState, generator: torch.Generat
     info = {"format": FORMAT, "peer": state.peer_id, "round": state.round, "scalars": state.scalars, **(meta or {}),
             "crc32": _crc(arrays)}
     arrays["meta"] = np.frombuffer(json.dumps(info).encode(), dtype=np.uint8)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-        f.flush()
-        if durable:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: np.savez(f, **arrays), durable=durable)
 
 
 def _refuse(path: Path, problem: str, hint: str | None = None) -> CheckpointError:

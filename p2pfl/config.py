@@ -103,6 +103,9 @@ class SimulationConfig(Section):
 class CheckpointConfig(Section):
     enabled: bool = True
     every: Annotated[int, Field(ge=1, le=1_000_000)] = 1
+    # How long a failed write to the run folder (no space, read-only, I/O error) is retried, with
+    # backoff, before the peer stops with one line and exit 74 (p2pfl/storage.py; 0: at once).
+    storage_retry_s: Annotated[Number, Field(ge=0, le=7 * 24 * 3600)] = 60.0
 
 
 class MixingConfig(Section):

@@ -102,6 +102,7 @@ class Node:
         self.checkpoint_meta: dict[str, Any] = {}
         self._fast_forward_from: int | None = None
         self._resumed_at = -1
+        self._replay_through = -1  # after a restart: rounds replayed before any catch-up (`resume`)
         self._short = False  # push-sum: some in-neighbour's share did not arrive in the last step
         # Catch-up (docs/protocol.md): in-neighbours to ask for evidence of their progress at the start
         # of the next round -- those whose payload did not arrive in the last one, or all after a restart.
@@ -123,8 +124,18 @@ class Node:
         self.transport.restore_ledger(meta.get("ledger"))  # push-sum running totals of this very state
         self._short = bool(meta.get("short", False))  # push-sum: withholds as its uninterrupted self would
         self._resumed_at = state.round
+        self._replay_through = self.published_through(state.round)
         log.info("%s: resumed from checkpoint at round %d", self.peer_id, state.round)
         return True
+
+    def published_through(self, resumed: int) -> int:
+        """The last round this peer may have published before the kill that a resume at ``resumed``
+        follows: the round that ends the checkpoint interval starting there (``resumed`` itself when
+        it checkpoints every round). Those rounds are replayed and recorded before any catch-up, so
+        that a round whose payload the neighbours mixed is never skipped unrecorded (docs/protocol.md,
+        "Metrics and checkpoint")."""
+        every = max(1, self.checkpoint_every or 1)
+        return min(resumed + (every - 1 - resumed) % every, self.rounds - 1)
 
     def rejoin(self) -> None:
         """After a restart: the first round asks every in-neighbour for evidence of where it is.
@@ -150,7 +161,9 @@ class Node:
         """
         r = self.state.round
         push = self.algorithm.mode == "push"
-        if push and r in (self._resumed_at, self.transport.resumed_round()):
+        if r <= self._replay_through:
+            return  # the rounds it may have published before a restart are replayed and recorded first
+        if push and r == self.transport.resumed_round():
             return  # push-sum replays its resumed round first: it may recover a push lost in the restart
         plan = self.topology.plan(self.peer_id, r, 0, seed=self.seed, mode=self.algorithm.mode)
         ins = sorted(plan.in_weights)

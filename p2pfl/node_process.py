@@ -40,16 +40,20 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
     (`Experiment.resume_check`; ``accept_config_change``: resume it under a changed config, recorded
     in the run folder) are verified; either refused is a `BadInput` (one line, exit 2).
     Stops with `RefusedByNeighbours` when every neighbour refuses it for ``network.refused_rounds``
-    rounds in a row (docs/protocol.md, "Refused by every neighbour").
+    rounds in a row (docs/protocol.md, "Refused by every neighbour"), and with `StorageError` when a
+    write to the run folder failed for ``checkpoint.storage_retry_s`` (`p2pfl.storage`; the folder
+    stays resumable).
     """
     import torch
 
+    from p2pfl import storage
     from p2pfl.experiment import Experiment
     from p2pfl.modelpool import ModelPool
     from p2pfl.runfolder import RunFolder
     from p2pfl.transport.grpc_transport import start_grpc_peer
 
     torch.set_num_threads(threads)  # 1 thread: bitwise the same as the simulation on CPU
+    storage.configure(cfg.checkpoint.storage_retry_s)  # every write to the run folder: retried this long
     exp = Experiment.from_config(cfg)
     if peer_id not in exp.topology.ids:
         raise ValueError(f"peer {peer_id!r} is not in topology {cfg.topology} (peers: {', '.join(exp.topology.ids)})")

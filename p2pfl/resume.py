@@ -35,6 +35,7 @@ from p2pfl.checkpoint import (
     verify_checkpoint,
 )
 from p2pfl.runfolder import config_change_entry, keep_rounds, record_config_change
+from p2pfl.storage import retrying
 
 #: Checkpoint generations kept per peer (peers drift apart by far less than two checkpoint intervals).
 GENERATIONS = 3
@@ -98,10 +99,14 @@ def link_generation(ckpt: Path, peer: str, done: int) -> Path:
     """Keep the checkpoint a writer has just replaced atomically as generation ``<peer>.r<done>``: a
     hard link, no copy (the next atomic write replaces the checkpoint's name, not the linked file)."""
     gen = ckpt.parent / "gen"
-    gen.mkdir(parents=True, exist_ok=True)
     target = gen / f"{peer}.r{done}.npz"
-    target.unlink(missing_ok=True)
-    os.link(ckpt, target)
+
+    def link() -> None:
+        gen.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
+        os.link(ckpt, target)
+
+    retrying(target, link, "link")  # a storage fault is retried, then StorageError (p2pfl.storage)
     return target
 
 

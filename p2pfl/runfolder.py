@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from p2pfl.display import figure, progress_bar
+from p2pfl.storage import JsonlLog, append_line, atomic_write, read_jsonl
+from p2pfl.storage import configure as configure_storage
 
 if TYPE_CHECKING:
     from p2pfl.config import ExperimentConfig
@@ -47,27 +46,9 @@ def peer_metrics_path(run_dir: Path, peer_id: str) -> Path:
     return Path(run_dir) / f"metrics-{peer_id}.jsonl"
 
 
-class MetricsWriter:
-    """Thread-safe append of metric records to ``metrics.jsonl`` (one line each, flushed)."""
-
-    def __init__(self, path: Path, truncate: bool = True) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(path, "w" if truncate else "a", buffering=1)
-
-    def __call__(self, rec: dict[str, Any]) -> None:
-        line = json.dumps(rec, sort_keys=True)
-        with self._lock:
-            self._f.write(line + "\n")
-
-    def close(self) -> None:
-        with self._lock:
-            self._f.close()
-
-
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics file (a line torn by a kill is skipped: `p2pfl.storage.read_jsonl`)."""
+    return read_jsonl(path)
 
 
 def sort_metrics(path: Path, peer_order: list[str]) -> list[dict[str, Any]]:
@@ -75,9 +56,7 @@ def sort_metrics(path: Path, peer_order: list[str]) -> list[dict[str, Any]]:
     recs = read_metrics(path)
     rank = {p: i for i, p in enumerate(peer_order)}
     recs.sort(key=lambda r: (r["round"], rank.get(r["peer"], len(rank))))
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in recs))
-    tmp.replace(path)
+    atomic_write(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in recs))
     return recs
 
 
@@ -105,9 +84,7 @@ def keep_rounds(path: Path, before: int, record: dict[str, Any] | None = None) -
     if record is not None and int(record.get("round", -1)) == before - 1:
         recs.setdefault((str(record.get("peer")), before - 1), json.dumps(record, sort_keys=True))
     order = sorted(recs, key=lambda k: (k[1], k[0]))
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(recs[k] + "\n" for k in order))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(recs[k] + "\n" for k in order))
     return len(recs)
 
 
@@ -129,27 +106,17 @@ def record_config_change(run_dir: Path, entry: dict[str, Any]) -> None:
     Why a file of its own: ``config.yaml`` then holds the new config (what the run goes on with), and
     the records before the change were made under the old one; this line is the only trace of that.
     """
-    path = Path(run_dir) / CONFIG_CHANGES
-    with open(path, "a") as f:
-        f.write(json.dumps(entry, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Several peers of one deployment may write the same input at once: each replaces it whole."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    append_line(Path(run_dir) / CONFIG_CHANGES, json.dumps(entry, sort_keys=True))
 
 
 def write_inputs(run_dir: Path, raw_config: dict[str, Any], topology_dict: dict[str, Any], partition) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """Several peers of one deployment may write the same input at once: each replaces it whole
+    (`p2pfl.storage.atomic_write`)."""
     config, topology = yaml.safe_dump(raw_config, sort_keys=False), yaml.safe_dump(topology_dict, sort_keys=False)
-    _write_atomic(run_dir / "config.yaml", lambda p: p.write_text(config))
-    _write_atomic(run_dir / "topology.yaml", lambda p: p.write_text(topology))
+    atomic_write(run_dir / "config.yaml", config)
+    atomic_write(run_dir / "topology.yaml", topology)
     if partition is not None:  # None: a ClientApp partitions its own data
-        _write_atomic(run_dir / "partition.json", partition.save)
+        partition.save(run_dir / "partition.json")
 
 
 def per_round(recs: list[dict[str, Any]]) -> dict[int, list[float]]:
@@ -211,7 +178,7 @@ def _save(fig, ax, path: Path, title: str) -> None:  # noqa: ANN001
     ax.legend(loc="lower right")
     # fixed margins: ``tight_layout`` renders the figure once more just to measure it
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.12, top=0.92)
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
 
 
 def plot_accuracy(recs: list[dict[str, Any]], path: Path, title: str = "") -> None:
@@ -241,7 +208,7 @@ def plot_comparison(series: dict[str, list[dict[str, Any]]], path: Path, title: 
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2, sort_keys=True))
 
 
 class RunFolder:
@@ -262,7 +229,7 @@ class RunFolder:
         self.mode = mode
         self.peer = peer
         metrics = peer_metrics_path(self.path, peer) if peer is not None else self.path / "metrics.jsonl"
-        self.metrics = MetricsWriter(metrics, truncate=not append)
+        self.metrics = JsonlLog(metrics, truncate=not append)  # whole lines, storage faults retried
         self._bar: Any = None
         self._task: Any = None
         self._t0 = time.perf_counter()
@@ -271,7 +238,9 @@ class RunFolder:
     def start(cls, path: str | Path, cfg: ExperimentConfig, topology: Topology, partition: Any, mode: str, *,
               append: bool = False) -> RunFolder:
         """Write config/topology/partition and open ``metrics.jsonl`` (after validation: bad input
-        leaves nothing behind). ``append``: a resumed run keeps its earlier records."""
+        leaves nothing behind). ``append``: a resumed run keeps its earlier records. Storage faults
+        are retried for ``checkpoint.storage_retry_s`` from here on (`p2pfl.storage`)."""
+        configure_storage(cfg.checkpoint.storage_retry_s)
         write_inputs(Path(path), cfg.raw, topology.to_dict(), partition)
         return cls(Path(path), cfg, mode, append=append)
 
@@ -317,17 +286,14 @@ class RunFolder:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
-        if not self.metrics._f.closed:
-            self.metrics.close()
+        self.metrics.close()
 
     def merge_peer_files(self, peer_ids: list[str]) -> None:
         """``launch``: the peers wrote ``metrics-<peer>.jsonl``; make them this folder's ``metrics.jsonl``."""
         self.close()
-        with open(self.path / "metrics.jsonl", "w") as f:
-            for pid in peer_ids:
-                part = peer_metrics_path(self.path, pid)
-                if part.exists():
-                    f.write(part.read_text())
+        parts = [peer_metrics_path(self.path, pid) for pid in peer_ids]
+        atomic_write(self.path / "metrics.jsonl",
+                     "".join(json.dumps(r, sort_keys=True) + "\n" for p in parts if p.exists() for r in read_jsonl(p)))
 
     def finish(self, peer_ids: list[str], extra: dict[str, Any] | None = None, *, rounds_run: int | None = None,
                title: str | None = None) -> dict[str, Any]:

@@ -35,6 +35,8 @@ from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
 from p2pfl.resume import drop_generations, keep_generation, prepare_resume
 from p2pfl.runfolder import RunFolder
+from p2pfl.storage import StorageError
+from p2pfl.storage import configure as configure_storage
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
 from p2pfl.turns import Turns
 from p2pfl.wire.codec import decode, encode_frames, parse_frame
@@ -141,6 +143,8 @@ def _collect(events: Any, run: RunFolder, workers: int, procs: list) -> None:
                 run.record(rec)
         elif kind == "error":
             raise SimulationError(f"peer {payload[0]} failed: {payload[1]}")
+        elif kind == "storage":
+            raise StorageError(*payload)
         elif kind == "done":
             finished += 1
 
@@ -228,6 +232,7 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
             hub.put(msg, count, size)
 
     threading.Thread(target=bridge, name=f"bridge-{w}", daemon=True).start()
+    configure_storage(exp.cfg.checkpoint.storage_retry_s)  # a spawned worker starts with the default
     models = ModelPool(exp.model_factory, 1)
     turns = Turns()  # the worker's peers, greenlets of this thread, one running at a time (p2pfl/turns.py)
 
@@ -241,7 +246,10 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
         except BaseException as exc:  # noqa: BLE001 - any failure stops the whole simulation
             hub.abort(f"peer {pid} failed: {exc!r}")
             records.flush()
-            events.put(("error", (pid, "".join(traceback.format_exception(exc)))))
+            if isinstance(exc, StorageError):  # one line, as `p2pfl node` says it (exit 74)
+                events.put(("storage", (exc.path, exc.problem)))
+            else:
+                events.put(("error", (pid, "".join(traceback.format_exception(exc)))))
 
     def run_node(pid: str) -> None:
         node = exp.make_node(pid, transport=MemoryTransport(hub, pid, turns, exp.topology.index(pid)), models=models,

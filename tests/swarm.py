@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import shutil
 import socket
@@ -216,10 +217,13 @@ def params(run: Path, pid: str) -> np.ndarray:
         return z["params"].copy()
 
 
-def spawn_node(cfg: Path, pid: str, out: Path, certs: Path, log: Path) -> subprocess.Popen:
+def spawn_node(cfg: Path, pid: str, out: Path, certs: Path, log: Path,
+               env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``p2pfl node`` for ``pid`` (its output appended to ``log``); ``env``: more environment variables."""
     return subprocess.Popen([sys.executable, "-m", "p2pfl.cli", "node", "--config", str(cfg), "--peer", pid,
                              "--out", str(out), "--certs", str(certs)],
-                            stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **env} if env else None)
 
 
 def run_grpc(cfg, tmp_path: Path) -> tuple[list, list[dict]]:

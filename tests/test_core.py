@@ -123,7 +123,7 @@ def test_checkpoint_roundtrip_is_exact(tmp_path) -> None:
     g2 = torch.Generator()
     g2.set_state(rng)
     assert torch.equal(torch.rand(4, generator=g2), torch.rand(4, generator=gen_draw))
-    assert not (tmp_path / "c.npz.tmp").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]  # no temporary file left
 
 
 def test_memory_transport_refuses_non_finite_payloads_like_the_wire() -> None:

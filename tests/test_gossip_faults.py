@@ -27,11 +27,13 @@ PEERS = ["p0", "p1", "p2", "p3"]
 
 
 @contextmanager
-def peers(cfg: Path, out: Path, tmp: Path, ids: list[str] = PEERS) -> Iterator[dict[str, subprocess.Popen]]:
-    """Start one `p2pfl node` per peer (mutual TLS); kill every process group still alive at the end."""
+def peers(cfg: Path, out: Path, tmp: Path, ids: list[str] = PEERS,
+          env: dict[str, str] | None = None) -> Iterator[dict[str, subprocess.Popen]]:
+    """Start one `p2pfl node` per peer (mutual TLS; ``env``: more environment variables); kill every
+    process group still alive at the end."""
     certs = tmp / "certs"
     make_certs(PEERS, certs)
-    procs = {pid: spawn_node(cfg, pid, out, certs, tmp / f"{pid}.log") for pid in ids}
+    procs = {pid: spawn_node(cfg, pid, out, certs, tmp / f"{pid}.log", env=env) for pid in ids}
     try:
         yield procs
     finally:

@@ -16,6 +16,7 @@ import typer
 from typer.core import TyperGroup
 
 from p2pfl.badinput import EXIT_BAD_INPUT, BadInput
+from p2pfl.storage import StorageError
 
 
 class _Refused(click.ClickException):
@@ -124,6 +125,9 @@ def _making(folder: Path, config: Path):
         raise
     except typer.Exit:
         raise
+    except StorageError as exc:  # a write to the run folder failed for checkpoint.storage_retry_s
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(exc.exit_code) from None
     except (ValueError, RuntimeError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -208,6 +212,9 @@ def node(config: ConfigOpt, peer: Annotated[str, typer.Option("--peer", help="th
                              accept_config_change=accept_config_change)
     except BadInput:
         raise
+    except StorageError as exc:  # a write to the run folder failed for checkpoint.storage_retry_s
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(exc.exit_code) from None
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -137,8 +137,10 @@ class Partition:
             raise PartitionError(f"not a valid partition dict: {type(exc).__name__}: {exc}") from exc
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write as JSON (compact: index lists are long)."""
-        Path(path).write_text(json.dumps(self.to_dict(), separators=(",", ":")))
+        """Write as JSON (compact: index lists are long), atomically (`p2pfl.storage.atomic_write`)."""
+        from p2pfl.storage import atomic_write
+
+        atomic_write(path, json.dumps(self.to_dict(), separators=(",", ":")))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Partition:

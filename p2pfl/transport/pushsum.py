@@ -31,10 +31,11 @@ depends on the algorithm.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
+
+from p2pfl.storage import append_line
 
 __all__ = ["FINAL_RESERVE", "MU_FLOOR", "SETTLE_FRACTION", "ReceiverLedger", "claim_credit", "debit", "logged_totals",
            "settle_budget", "withholds"]
@@ -245,8 +246,5 @@ class ReceiverLedger:
 
     def _log(self, j: str, r: int, s: int, total: float) -> None:
         """Append (fsync'd) the total absorbed from ``j`` after (r, s): durable before the OK leaves."""
-        if self.log_path is not None:
-            with open(self.log_path, "a") as f:
-                f.write(f"{j} {r} {s} {total!r}\n")
-                f.flush()
-                os.fsync(f.fileno())
+        if self.log_path is not None:  # a whole line, fsync'd; a storage fault retried (p2pfl.storage)
+            append_line(self.log_path, f"{j} {r} {s} {total!r}")
