@@ -11,7 +11,6 @@ are `p2pfl.transport.pushsum`'s, and the receiver's side is the server's `Receiv
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -22,6 +21,7 @@ from typing import Any
 import grpc
 
 from p2pfl.messages import Message
+from p2pfl.storage import append_line, atomic_write
 from p2pfl.topology import MixingPlan
 from p2pfl.transport.base import ExchangeResult
 from p2pfl.transport.channels import Channels, backoff_s
@@ -242,10 +242,7 @@ class PushClient:
             return
         with self._lock:
             self._mixed_pushes.add((peer, round, step))
-            with open(self._pushes_log, "a") as f:
-                f.write(f"{peer} {round} {step}\n")
-                f.flush()
-                os.fsync(f.fileno())
+            append_line(self._pushes_log, f"{peer} {round} {step}")
 
 
 def read_absorbed(call: Any) -> float | None:
@@ -275,7 +272,5 @@ def load_pushes_log(path: Path, round: int) -> set[Key]:
             if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit() and int(parts[1]) >= round - DECISION_ROUNDS:
                 keep.add((parts[0], int(parts[1]), int(parts[2])))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{p} {r} {s}\n" for p, r, s in sorted(keep)))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(f"{p} {r} {s}\n" for p, r, s in sorted(keep)))
     return keep

@@ -11,12 +11,12 @@ share. Senders' claims are held (not settled) until the resumed round is over, s
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
 
+from p2pfl.storage import atomic_write
 from p2pfl.topology import Topology
 from p2pfl.transport.grpc_service import PeerServer
 from p2pfl.transport.pull_client import PullClient
@@ -128,7 +128,5 @@ def load_absorb_log(path: Path, round: int) -> list[tuple[str, int, int, float]]
                 lines.append((parts[0], int(parts[1]), int(parts[2]), total))
                 keep.append(line)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(x + "\n" for x in keep))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(x + "\n" for x in keep))
     return lines
