@@ -156,11 +156,14 @@ def _certs_of_another_deployment(tmp_path: Path, cfg: Path) -> Path:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("how", "cause"), [("topology", "topology hash"), ("tls", "TLS handshake failed")])
-def test_a_peer_every_neighbour_refuses_stops_within_the_bound(tmp_path: Path, how: str, cause: str) -> None:
+@pytest.mark.parametrize(("how", "cause", "mode"), [("topology", "topology hash", "sync"),
+                                                    ("tls", "TLS handshake failed", "sync"),
+                                                    ("topology", "topology hash", "async"),
+                                                    ("tls", "TLS handshake failed", "async")])
+def test_a_peer_every_neighbour_refuses_stops_within_the_bound(tmp_path: Path, how: str, cause: str, mode: str) -> None:
     rounds, bound = 12, 3
     cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds,
-                      network={"round_timeout_s": 3.0, "probe_s": 0.5, "refused_rounds": bound})
+                      network={"round_timeout_s": 3.0, "probe_s": 0.5, "refused_rounds": bound, "mode": mode})
     out, certs = tmp_path / "run", tmp_path / "certs"
     make_certs(PEERS, certs)
     bad_cfg = _one_edge_off(tmp_path, cfg) if how == "topology" else _certs_of_another_deployment(tmp_path, cfg)

@@ -144,7 +144,7 @@ class PullClient:
         (`GrpcTransport.exchange_latest`); ``bytes_sent`` is left to the caller."""
         deadline = time.monotonic() + wait_s
         senders = list(plan.in_weights)
-        jobs = {j: self._pool.submit(self._latest_one, j, message.step, deadline) for j in senders}
+        jobs = {j: self._pool.submit(self._latest_one, j, message.round, message.step, deadline) for j in senders}
         received: dict[str, Message] = {}
         missing: list[str] = []
         recv = 0
@@ -162,21 +162,28 @@ class PullClient:
                          why or f"newest held is round {held.round if held else None}")
         return ExchangeResult(received=received, missing=missing, bytes_recv=recv)
 
-    def _latest_one(self, peer: str, step: int, deadline: float) -> PullResult:
-        """The payload ``peer`` published last, if newer than the one held; (None, 0, why) otherwise."""
+    def _latest_one(self, peer: str, round: int, step: int, deadline: float) -> PullResult:
+        """The payload ``peer`` published last, if newer than the one held; (None, 0, why) otherwise.
+        How ``peer`` answered is noted for this peer's ``round`` (`RefusalTracker`), as in pull mode: an
+        asynchronous peer that every neighbour refuses stops too, instead of mixing stale payloads alone."""
         live = self._liveness
         if not live.alive(peer):
+            live.refusals.note(round, peer, live.unanswered_probe(peer))
             return None, 0, "neighbour is down"
         try:
             st = live.status(peer, max(0.05, deadline - time.monotonic()), wait_for_ready=False)
         except grpc.RpcError as e:
-            live.failed(peer, f"{e.code().name}: {bounded(e.details() or '', 300)}")
+            why = f"{e.code().name}: {bounded(e.details() or '', 300)}"
+            live.refusals.note(round, peer, why)
+            live.failed(peer, why)
             return None, 0, f"status: {e.code().name}"
         held = self._latest.get((peer, step))
         r = int(st.round)
         if held is not None and held.round >= r:
+            live.refusals.note(round, peer, None)  # it answered: nothing newer to fetch
             return None, 0, "nothing newer"
         msg, nbytes, why = self.pull_one(peer, r, step, deadline)
+        live.refusals.note(round, peer, None if msg is not None else why)
         if msg is None:
             live.failed(peer, why)
         return msg, nbytes, why
