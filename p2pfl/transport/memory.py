@@ -213,6 +213,11 @@ class MemoryHub:
                 if not lst:
                     del self._waiters[key]
 
+    @property
+    def aborted(self) -> str | None:
+        """Why the simulation was aborted (`abort`), or None."""
+        return self._aborted
+
     def abort(self, reason: str) -> None:
         """Wake every waiter with an error (a peer failed)."""
         with self._lock:
