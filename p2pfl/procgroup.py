@@ -95,7 +95,11 @@ class Ranks:
 
     def step(self, outgoing: list[bytes | bytearray], flags: int) -> Step:
         """One exchange step, called by every rank in the same order: ``outgoing[r]`` goes to rank r
-        (this rank's own entry is ignored); returns what the others sent here and everyone's flags."""
+        (this rank's own entry is ignored); returns what the others sent here and everyone's flags.
+
+        ``outgoing`` is emptied once its buffers are copied into the one tensor the collective sends,
+        so a step holds the bytes it sends twice only for that copy (a round's payloads for other
+        ranks can be gigabytes: docs/scale.md)."""
         self.steps += 1
         if self.world == 1:
             return Step([memoryview(b"")], [flags], 0)
@@ -116,6 +120,7 @@ class Ranks:
         send_splits = sizes
         recv_splits = [int(rows[r][self.rank]) for r in range(self.world)]
         payload = bytearray().join(bytes(0) if r == self.rank else outgoing[r] for r in range(self.world))
+        outgoing.clear()
         send = (torch.frombuffer(payload, dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8))
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.device)
         try:
@@ -158,16 +163,20 @@ def single() -> Ranks:
 def join(device: torch.device) -> Ranks:
     """Join the group ``torchrun`` set up (``env://``): gloo, or NCCL for CUDA (`backend_for`).
 
-    With NCCL each rank drives the GPU of its ``LOCAL_RANK`` (selected before anything touches CUDA).
+    On CUDA each rank drives the GPU of its ``LOCAL_RANK`` (modulo the GPUs it sees: more ranks
+    than GPUs share them, which only gloo allows), made the current device before anything touches
+    CUDA; the exchanged tensors live there for NCCL.
     """
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = backend_for(device)
     comm = torch.device("cpu")
-    if backend == "nccl":
-        comm = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(comm)
+    if device.type == "cuda":
+        gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(gpu)
+        if backend == "nccl":
+            comm = gpu
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,

@@ -106,6 +106,8 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
         return simulate_batched(cfg, exp, run_dir, progress=progress, resume=resume,
                                 accept_config_change=accept_config_change)
     ranks = procgroup.join(exp.device) if under_launcher else None
+    if ranks is not None and exp.device.type == "cuda" and exp.device.index is None:
+        exp.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU (join chose it)
     try:
         return _simulate(cfg, exp, run_dir, ranks, progress=progress, resume=resume,
                          accept_config_change=accept_config_change)
@@ -229,7 +231,7 @@ def _rank_process(rank: int, world: int, store: Path, exp: Experiment, peers: li
 def one_malloc_arena() -> None:
     """Make this process's threads share one glibc malloc arena (a no-op off glibc).
 
-    Each thread of a worker (its peers' thread, the bridge, the queues' feeders) would otherwise
+    Each thread of a rank (its peers' thread, and any torch or a user's code starts) would otherwise
     get an arena of its own (up to 8 per core), each keeping the freed blocks it allocated: when
     every peer was a thread of its own, about 200 MB more per worker at 64 peers, measured.
 
@@ -255,8 +257,8 @@ def worker_cores(workers: int) -> list[int] | None:
     each its own slice); otherwise None, and the kernel places them (with spare cores, two runs
     pinned by the same rule would share cores while others idle). None off Linux.
 
-    Why: a worker's threads (its peers', the bridge, the queues' feeders) wake each other many
-    times a round. Unpinned, the kernel often wakes a thread on the *other* core, where it preempts
+    Why (measured when a worker still had bridge and queue-feeder threads beside its peers'): threads
+    that wake each other many times a round. Unpinned, the kernel often wakes a thread on the *other* core, where it preempts
     the other worker, and then migrates threads back: measured at 128 peers on 2 cores when each
     peer was a thread, a peer thread ran only 80-87% of the wall time it spent training (the tight
     loop's single thread: 99%), and a worker was busy 86-87% of its wall time; pinned, 99-100%.
