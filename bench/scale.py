@@ -291,8 +291,14 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         sampler.stop()
     if proc.returncode:
         raise SystemExit(f"{n} peers: child failed (exit code {proc.returncode})")
-    res = json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("RESULT "))[len("RESULT "):])
-    forks = [json.loads(ln[len("FORK "):]) for ln in out.splitlines() if ln.startswith("FORK ")]
+    def parsed(line: str, tag: str) -> Any:
+        try:
+            return json.loads(line[len(tag):])
+        except ValueError as exc:  # say which line (once seen: "Extra data", not reproduced)
+            raise SystemExit(f"{n} peers: unreadable {tag.strip()} line from the child ({exc}): {line[:400]!r}") from None
+
+    res = parsed(next(ln for ln in reversed(out.splitlines()) if ln.startswith("RESULT ")), "RESULT ")
+    forks = [parsed(ln, "FORK ") for ln in out.splitlines() if ln.startswith("FORK ")]
     # CPU seconds before the first round can start on an idle machine: the forking process's work
     # (imports, config, dataset, partition, run folder) plus the slowest worker building its peers
     startup_cpu = max((f["parent_cpu"] for f in forks), default=0.0) + res["worker_startup_cpu_s"]
