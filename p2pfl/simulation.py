@@ -348,10 +348,16 @@ def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str,
         return step
 
     def idle(seconds: float | None) -> None:
-        """No peer of this rank can go on: an exchange step (lockstep with the other ranks)."""
-        step = exchange(TIMERS if seconds is not None else 0)
-        if step.moved == 0 and seconds is not None and not step.any(FAILED):
-            time.sleep(seconds)  # nothing can come before this rank's earliest deadline
+        """No peer of this rank can go on: an exchange step (lockstep with the other ranks).
+
+        A timer counts (TIMERS) only when it is not a reader's deadline (a week, SIM_DEADLINE_S):
+        when every rank is idle and nothing moves, only a peer's own pause can end the wait; a
+        deadline would, a week later, only record the neighbours as missing."""
+        paused = seconds is not None and seconds < SIM_DEADLINE_S / 2
+        step = exchange(TIMERS if paused else 0)
+        if step.moved == 0 and paused and not step.any(FAILED):
+            # Nothing can come before this rank's pause ends (the others wait in the next step).
+            time.sleep(seconds)  # type: ignore[arg-type]
 
     configure_storage(exp.cfg.checkpoint.storage_retry_s)  # a started rank has the default
     models = ModelPool(exp.model_factory, 1)

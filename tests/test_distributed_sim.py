@@ -215,3 +215,24 @@ def test_torchrun_without_out_is_refused(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["simulate", "-c", str(tiny_config(tmp_path))], env=env)
     assert res.exit_code != 0 and "--out" in res.output
     shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_wait_no_message_can_end_is_a_deadlock_not_a_week(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            workers: int) -> None:
+    """Every rank idle, nothing moving, no pause to wait out: the ranks agree it is a deadlock and
+    raise, instead of waiting out the readers' one-week deadline."""
+    from p2pfl.transport.memory import MemoryHub
+
+    real = MemoryHub.take_gated
+
+    def take_gated(self, keys, *args, **kwargs):  # p1 also waits for a peer that does not exist
+        if any(k[0] == "p0" for k in keys) and any(k[0] == "p2" for k in keys):
+            keys = [*keys, ("ghost", keys[0][1], keys[0][2])]
+        return real(self, keys, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryHub, "take_gated", take_gated)
+    cfg = load_config(tiny_config(tmp_path, peers=4, rounds=2), [f"simulation.workers={workers}"])
+    with pytest.raises(SimulationError, match="deadlock"):
+        simulate(cfg, tmp_path / "run", progress=False)
