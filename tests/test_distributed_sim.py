@@ -106,10 +106,10 @@ def _torchrun() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def _run_torchrun(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+def _run_torchrun(args: list[str], timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``torchrun ... -m p2pfl.cli simulate ARGS`` in a session of its own, killed whole on a timeout."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -140,15 +140,19 @@ def test_torchrun_ranks_equal_one_process(algo: str, nproc: int, ref_root: Path,
 
 @pytest.mark.timeout(300)
 def test_torchrun_tiny_and_plain_simulate_agree(tmp_path: Path) -> None:
-    """The synthetic experiment (no dataset needed): torchrun's 2 ranks, 3 forked ranks, one process."""
+    """The synthetic experiment (no dataset needed): torchrun's 2 ranks, 3 forked ranks, one process.
+
+    torchrun without --out: every rank names the folder after torchrun's run id (--standalone's)."""
     path = tiny_config(tmp_path, peers=6, checkpoint={"every": 1})
     simulate(load_config(path, ["simulation.workers=1"]), tmp_path / "one", progress=False)
     simulate(load_config(path, ["simulation.workers=3"]), tmp_path / "three", progress=False)
     res = _run_torchrun([*_torchrun(), "--standalone", "--nproc-per-node=2", "-m", "p2pfl.cli", "simulate",
-                         "-c", str(path), "--out", str(tmp_path / "tr"), "-q"], timeout=240)
+                         "-c", str(path), "-q"], timeout=240, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-4000:]
+    (tr,) = (tmp_path / "runs").iterdir()  # one folder, made by both ranks
+    assert tr.name.startswith("tiny-dfedavg-") and res.stdout.count("run folder:") == 1
     assert_same_run(tmp_path / "one", tmp_path / "three")
-    assert_same_run(tmp_path / "one", tmp_path / "tr")
+    assert_same_run(tmp_path / "one", tr)
 
 
 @pytest.mark.timeout(120)
@@ -204,14 +208,15 @@ def test_the_bytes_between_ranks_carry_payload_frames_records_and_errors() -> No
     assert bytes(got[2][1]).decode() == "peer p1 failed: é"
 
 
-def test_torchrun_without_out_is_refused(tmp_path: Path) -> None:
+def test_torchrun_without_out_or_run_id_is_refused(tmp_path: Path) -> None:
     """Every rank must name the same folder: the default (a timestamp) could differ between them."""
     from typer.testing import CliRunner
 
     from p2pfl.cli import _mount, app
 
     _mount()
-    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
+           "TORCHELASTIC_RUN_ID": "none"}
     res = CliRunner().invoke(app, ["simulate", "-c", str(tiny_config(tmp_path))], env=env)
     assert res.exit_code != 0 and "--out" in res.output
     shutil.rmtree(tmp_path / "runs", ignore_errors=True)

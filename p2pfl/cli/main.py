@@ -181,11 +181,14 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
     from p2pfl.simulation import one_malloc_arena
     from p2pfl.simulation import simulate as run_sim
 
-    if launched() and out is None:
-        from p2pfl.badinput import BadInput
+    if launched() and out is None:  # every rank must name the same folder: torchrun's run id, not the time
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        if run_id == "none" or not run_id.replace("-", "").replace("_", "").isalnum():
+            from p2pfl.badinput import BadInput
 
-        raise BadInput("under torchrun every rank must name the same run folder", source="--out",
-                       hint="pass --out RUN (on a filesystem every host sees, for a run over several hosts)")
+            raise BadInput("under torchrun without a run id (--rdzv-id) every rank must be given the run folder",
+                           source="--out", hint="pass --out RUN (on a filesystem every host sees)")
+        out = Path("runs") / f"{cfg.name}-{cfg.algorithm_name}-{run_id}"
     one_malloc_arena()  # before the progress bar's thread, so the forked ranks inherit one arena
     run_dir = out or default_run_dir(cfg.name, cfg.algorithm_name)
     with _making(run_dir, config):
