@@ -241,3 +241,18 @@ def test_a_wait_no_message_can_end_is_a_deadlock_not_a_week(tmp_path: Path, monk
     cfg = load_config(tiny_config(tmp_path, peers=4, rounds=2), [f"simulation.workers={workers}"])
     with pytest.raises(SimulationError, match="deadlock"):
         simulate(cfg, tmp_path / "run", progress=False)
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_resume_goes_on_as_one_process_would(tmp_path: Path) -> None:
+    """Rank 0 puts the checkpoints back before any rank's peers read theirs (`--resume` extends a
+    finished 2-round run to 3 rounds over 2 torchrun ranks): the same run as 3 rounds in one process."""
+    path = tiny_config(tmp_path, peers=6, rounds=3, checkpoint={"every": 1})
+    simulate(load_config(path, ["simulation.workers=1"]), tmp_path / "one", progress=False)
+    run = [*_torchrun(), "--standalone", "--nproc-per-node=2", "-m", "p2pfl.cli", "simulate", "-c", str(path),
+           "--out", str(tmp_path / "tr"), "-q"]
+    for extra in (["--set", "rounds=2"], ["--resume"]):
+        res = _run_torchrun([*run, *extra], timeout=200)
+        assert res.returncode == 0, res.stdout[-4000:]
+    assert json.loads((tmp_path / "tr" / "summary.json").read_text())["resumed_from_round"] == 2
+    assert_same_run(tmp_path / "one", tmp_path / "tr")
