@@ -256,3 +256,25 @@ def test_torchrun_resume_goes_on_as_one_process_would(tmp_path: Path) -> None:
         assert res.returncode == 0, res.stdout[-4000:]
     assert json.loads((tmp_path / "tr" / "summary.json").read_text())["resumed_from_round"] == 2
     assert_same_run(tmp_path / "one", tmp_path / "tr")
+
+
+@pytest.mark.timeout(120)
+def test_a_storage_error_on_another_rank_is_raised_by_rank_0_as_one(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write the run folder's storage refused (`StorageError`: one line, exit 74 in the CLI) stays one
+    when it happens on another rank."""
+    from p2pfl.experiment import Experiment
+    from p2pfl.storage import StorageError
+
+    real = Experiment.make_node
+
+    def make_node(self, pid, **kw):
+        if pid == "p3":
+            raise StorageError(tmp_path / "run" / "checkpoints" / "p3.npz", "No space left on device")
+        return real(self, pid, **kw)
+
+    monkeypatch.setattr(Experiment, "make_node", make_node)
+    cfg = load_config(tiny_config(tmp_path, peers=4, rounds=2), ["simulation.workers=2"])
+    with pytest.raises(StorageError) as info:  # p3 runs on rank 1
+        simulate(cfg, tmp_path / "run", progress=False)
+    assert info.value.path.endswith("p3.npz") and info.value.problem == "No space left on device"
