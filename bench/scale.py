@@ -11,11 +11,11 @@ Figures, per size:
 
 * ``s_per_round``: the steady round, (end of the last round - end of round 0) / (rounds - 1), where
   the end of round r is the mean over peers of when a peer handed its round-r record to its
-  worker's record sink (stamped in the worker, so no batching or queueing of records delays it;
+  rank's record sink (stamped in the rank, so no exchange step delays it;
   the mean, not the last peer, because peers pipeline rounds: see `_round_figures`). Round 0 holds
   the start-up of the peers (their Nodes are built in their first turn) and is not timed.
-  ``ms_per_peer``: ``s_per_round`` / peers; ``cpu_ms_per_peer``: the workers' CPU (process time,
-  bridge threads included) over the same span, per peer and round.
+  ``ms_per_peer``: ``s_per_round`` / peers; ``cpu_ms_per_peer``: the ranks' CPU (process time,
+  exchange steps included) over the same span, per peer and round.
 * ``startup_s``: from launching the child to the (mean) end of round 0, less one steady round: imports,
   config, dataset and partition, topology, run folder, forking, and building every peer's Node.
   ``startup_share_10``: its share of a 10-round run, startup / (startup + 10 rounds + tail).
@@ -25,8 +25,8 @@ Figures, per size:
   workers, i.e. the share on an idle machine).
   ``tail_s``: from the end of the last round (its last peer) to `simulate` returning (teardown, sorted metrics,
   summary, plot).
-* ``main_rss_mb``/``main_pss_mb``: the peak of the child (the process that forks the workers and
-  collects the records); ``workers_rss_mb``/``workers_pss_mb``: the peak of the workers' sum; ``pss_mb``:
+* ``main_rss_mb``/``main_pss_mb``: the peak of the child (the process that forks the other ranks, is
+  rank 0 and writes the run folder); ``workers_rss_mb``/``workers_pss_mb``: the peak of the forked ranks' sum; ``pss_mb``:
   the peak of the whole tree's PSS (pages shared after fork counted once, from
   /proc/PID/smaps_rollup), sampled from this (driver) process. ``pss_kb_per_peer``: the tree's peak PSS
   beyond the 128-peer run's (or the smallest size run), per extra peer; ``state_kb_per_peer``: what
@@ -155,33 +155,42 @@ class RoleSampler(threading.Thread):
 
 
 def _stamp_records() -> None:
-    """Stamp every record with (monotonic time, this worker's process CPU time) where the worker takes it.
+    """Stamp every record with (monotonic time, this rank's process CPU time) where its peer makes it.
 
-    The worker's record sink batches records (a round's worth per queue put), so their arrival in the
-    collecting process says little about when a round ended; the stamp is taken at the sink, in the
-    worker (forked after this runs, so it inherits the wrapper). CLOCK_MONOTONIC is one clock for all
-    processes of the machine.
+    Rank 0 sends the other ranks' records to the run folder at exchange steps, so their arrival says
+    little about when a round ended; the stamp is taken in the rank, at the Node's own record call
+    (the ranks fork after this runs, so they inherit the wrappers). CLOCK_MONOTONIC is one clock for
+    all processes of the machine. Rank 0 is the process that forked the others: its CPU stamps count
+    from when it began to run its peers, as a forked rank's count from its fork.
     """
     from p2pfl import simulation
+    from p2pfl.experiment import Experiment
 
-    add = simulation._RecordBatch.add
+    make_node = Experiment.make_node
+    cpu0: dict[int, float] = {}
 
-    def stamped(self: Any, rec: dict[str, Any]) -> None:
-        rec[STAMP] = (time.monotonic(), time.process_time(), os.getpid())
-        add(self, rec)
+    def stamping(self: Any, pid: str, *args: Any, record: Any, **kwargs: Any) -> Any:
+        def stamped(rec: dict[str, Any]) -> None:
+            rec[STAMP] = (time.monotonic(), time.process_time() - cpu0.get(os.getpid(), 0.0), os.getpid())
+            record(rec)
 
-    simulation._RecordBatch.add = stamped  # type: ignore[method-assign]
-    worker = simulation._worker
+        return make_node(self, pid, *args, record=stamped, **kwargs)
 
-    def started(w: int, *args: Any, **kwargs: Any) -> None:
-        # The forking process's CPU when this worker forked: everything the run did before any peer.
-        with open(f"/proc/{os.getppid()}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        print("FORK " + json.dumps({"w": w, "parent_cpu": (int(fields[11]) + int(fields[12])) / CLK_TCK,
-                                    "t": time.monotonic()}), flush=True)
-        worker(w, *args, **kwargs)
+    Experiment.make_node = stamping  # type: ignore[method-assign]
+    run_rank = simulation._run_rank
 
-    simulation._worker = started
+    def started(ranks: Any, *args: Any, **kwargs: Any) -> None:
+        # The forking process's CPU when this rank began: everything the run did before any peer.
+        if ranks.rank == 0:
+            parent_cpu = cpu0[os.getpid()] = time.process_time()
+        else:
+            with open(f"/proc/{os.getppid()}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            parent_cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK
+        print("FORK " + json.dumps({"w": ranks.rank, "parent_cpu": parent_cpu, "t": time.monotonic()}), flush=True)
+        run_rank(ranks, *args, **kwargs)
+
+    simulation._run_rank = started
 
 
 def _round_figures(metrics: Path, peers: int, rounds: int) -> dict[str, Any]:
@@ -282,8 +291,14 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         sampler.stop()
     if proc.returncode:
         raise SystemExit(f"{n} peers: child failed (exit code {proc.returncode})")
-    res = json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("RESULT "))[len("RESULT "):])
-    forks = [json.loads(ln[len("FORK "):]) for ln in out.splitlines() if ln.startswith("FORK ")]
+    def parsed(line: str, tag: str) -> Any:
+        try:
+            return json.loads(line[len(tag):])
+        except ValueError as exc:  # say which line (once seen: "Extra data", not reproduced)
+            raise SystemExit(f"{n} peers: unreadable {tag.strip()} line from the child ({exc}): {line[:400]!r}") from None
+
+    res = parsed(next(ln for ln in reversed(out.splitlines()) if ln.startswith("RESULT ")), "RESULT ")
+    forks = [parsed(ln, "FORK ") for ln in out.splitlines() if ln.startswith("FORK ")]
     # CPU seconds before the first round can start on an idle machine: the forking process's work
     # (imports, config, dataset, partition, run folder) plus the slowest worker building its peers
     startup_cpu = max((f["parent_cpu"] for f in forks), default=0.0) + res["worker_startup_cpu_s"]

@@ -91,6 +91,8 @@ class NetworkConfig(Section):
 
 
 class SimulationConfig(Section):
+    # Ranks (processes) the peers are sharded over by a plain `p2pfl simulate` (one rank per core is
+    # best); under torchrun the world size is the number of ranks and this is not used (docs/scale.md).
     workers: Annotated[int, Field(ge=1, le=4096)] = 2
     # exact: each peer runs the Node loop (bitwise equal to launch/compose); batched: all peers as
     # one stack of tensors, one vectorized step (p2pfl/engine/batched.py; equal up to float rounding).

@@ -1,38 +1,65 @@
-"""Single-host simulation: every peer of the config on this machine, through the same Node loop.
+"""The simulation: every peer of the config, through the same Node loop, sharded over the ranks
+of a torch.distributed process group.
 
-Peers are spread over ``workers`` processes in contiguous blocks of indices (peer i -> worker
-i * W // N: generated graphs join nearby indices, so a ring's or a grid's messages mostly stay in
-their worker instead of all crossing the bridge, as with i mod W), each with one torch
-thread and one model object that its peers borrow in turn: this keeps every core busy on
-training (threads in one process would fight over the GIL). Inside a worker each peer runs its
-Node in a greenlet of the worker's one thread, with an in-memory transport, and the peers take
-turns (`p2pfl.turns.Turns`): one computes until it waits for its neighbours, then the next in
-line runs. Messages for peers in other workers cross a queue (the bridge). The dataset is loaded
-before the workers fork, so its pages are shared.
-Results are bitwise independent of the worker count: each peer's randomness is its own
-generator and mixing sums in plan order.
+Peers are spread over the ranks in contiguous blocks of indices (peer i -> rank i * W // N:
+generated graphs join nearby indices, so a ring's or a grid's messages mostly stay in their
+rank instead of crossing to another, as with i mod W). A rank is one process with one torch
+thread and one model object that its peers borrow in turn: this keeps every core busy on training
+(threads in one process would fight over the GIL). Inside a rank each peer runs its Node in a
+greenlet of the rank's one thread, with an in-memory transport, and the peers take turns
+(`p2pfl.turns.Turns`): one computes until it waits for its neighbours, then the next in line runs.
+
+When none of a rank's peers can go on, the rank takes an *exchange step* with the others
+(`p2pfl.procgroup.Ranks.step`, in lockstep: every rank takes part in every step): the wire
+frames of the messages its peers published for peers of other ranks go out as byte tensors, and
+what the others sent for its peers comes in, parsed and checked by the wire codec (dtype,
+manifest, checksum, finiteness, as a deployed receiver checks them) before it reaches the board.
+The step also carries each rank's flags (done, failed, waiting on a timer), so the ranks agree
+when the run ends (every rank done), when a peer failed anywhere (every board aborts), and when
+no message can ever come (a deadlock: every rank raises), and the other ranks' metrics records to
+rank 0, which alone writes the run folder's files (config, metrics, summary, plot, progress bar);
+each peer's checkpoint is written by the rank that runs it.
+
+How the ranks come to be (one code path, `_run_rank`):
+
+* ``torchrun --nproc-per-node K [rendezvous flags] $(which p2pfl) simulate -c CONFIG --out RUN``:
+  each process is a rank of the group torchrun set up (`p2pfl.procgroup.join`; gloo, or NCCL
+  for CUDA); the world size is the number of ranks, ``simulation.workers`` is not used;
+* plain ``p2pfl simulate`` with ``simulation.workers: W``: this process forks W - 1 ranks
+  (after the dataset is loaded, so its pages are shared) and is rank 0 itself; they form a gloo
+  group over a file store (`p2pfl.procgroup.local`). ``W = 1``: one rank, no group.
+
+Results are bitwise independent of the number of ranks: each peer's randomness is its own
+generator and mixing sums in plan order (tests/test_distributed_sim.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import logging
 import multiprocessing as mp
 import os
-import queue
-import threading
+import shutil
+import struct
+import sys
+import tempfile
+import time
 import traceback
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from p2pfl import procgroup
 from p2pfl.config import ConfigError, ExperimentConfig
 from p2pfl.experiment import Experiment
 from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
+from p2pfl.procgroup import DONE, FAILED, TIMERS, Ranks, RanksError
 from p2pfl.resume import drop_generations, keep_generation, prepare_resume
 from p2pfl.runfolder import RunFolder
 from p2pfl.storage import StorageError
@@ -55,7 +82,8 @@ class SimulationError(RuntimeError):
 def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = True,
              experiment: Experiment | None = None, resume: bool = False,
              accept_config_change: bool = False) -> dict[str, Any]:
-    """Run the experiment; write the run folder; return the summary.
+    """Run the experiment; write the run folder; return the summary (on rank 0; ``{}`` on the
+    other ranks of a ``torchrun`` launch).
 
     ``resume``: continue an interrupted run in ``out_dir`` from the last round that *every* peer
     checkpointed (see :func:`p2pfl.resume.prepare_resume`); from round 0 when there is none. The
@@ -65,94 +93,145 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
     if cfg.network.mode == "async":
         raise ConfigError("network.mode: async runs under `p2pfl launch` / `p2pfl node` (one process per peer); "
                           "the in-memory simulation is synchronous")
-    torch.set_num_threads(1)  # before any torch work, so a forked worker inherits no thread pool
+    torch.set_num_threads(1)  # before any torch work, so a forked rank inherits no thread pool
     run_dir = Path(out_dir)
     exp = experiment or Experiment.from_config(cfg)
+    under_launcher = procgroup.launched()
     if (cfg.raw.get("simulation") or {}).get("engine", "exact") == "batched":
+        if under_launcher and int(os.environ["WORLD_SIZE"]) > 1:
+            raise ConfigError("simulation.engine: batched steps every peer in one process; run it without "
+                              "torchrun (or with --nproc-per-node 1), or use engine 'exact' across ranks")
         from p2pfl.engine.batched import simulate_batched
 
         return simulate_batched(cfg, exp, run_dir, progress=progress, resume=resume,
                                 accept_config_change=accept_config_change)
+    ranks = procgroup.join(exp.device) if under_launcher else None
+    if ranks is not None and exp.device.type == "cuda" and exp.device.index is None:
+        exp.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU (join chose it)
+    try:
+        return _simulate(cfg, exp, run_dir, ranks, progress=progress, resume=resume,
+                         accept_config_change=accept_config_change)
+    finally:
+        if ranks is not None:
+            ranks.close()
+
+
+def _simulate(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, launched: Ranks | None, *, progress: bool,
+              resume: bool, accept_config_change: bool) -> dict[str, Any]:
     topo = exp.topology
     ids = list(topo.ids)
     exp.layout  # noqa: B018 - build the initial model before forking (and refuse a broken app before writing)
-    start = prepare_resume(run_dir, ids, before=cfg.rounds,
-                           check=exp.resume_check(run_dir, accept_config_change)) if resume else 0
-    run = RunFolder.start(run_dir, cfg, topo, exp.partition, "simulate", append=start > 0)
-    workers = max(1, min(cfg.workers, len(ids)))
-    if exp.device.type == "cuda":
-        workers = 1  # CUDA does not survive fork; one process drives the GPU
-    assign = {pid: i * workers // len(ids) for i, pid in enumerate(ids)}
-    groups = [[p for p in ids if assign[p] == w] for w in range(workers)]
-
-    if progress:
+    if launched is None:
+        rank, world = 0, max(1, min(cfg.workers, len(ids)))
+        if exp.device.type == "cuda":
+            world = 1  # CUDA does not survive fork; one process drives the GPU (torchrun: one rank per GPU)
+    else:
+        rank, world = launched.rank, launched.world
+        if world > len(ids):
+            raise ConfigError(f"{world} ranks for {len(ids)} peers: start at most one rank per peer")
+    run: RunFolder | None = None
+    start = 0
+    if rank == 0:  # only rank 0 touches the run folder's own files
+        try:
+            start = prepare_resume(run_dir, ids, before=cfg.rounds,
+                                   check=exp.resume_check(run_dir, accept_config_change)) if resume else 0
+            run = RunFolder.start(run_dir, cfg, topo, exp.partition, "simulate", append=start > 0)
+        except BaseException:
+            if launched is not None:
+                launched.broadcast_int(-1)  # the other ranks stop too (they wait for the round to start at)
+            raise
+    if launched is not None:
+        start = launched.broadcast_int(start)  # also: rank 0 put the checkpoints back before any peer reads one
+        if start < 0:
+            raise SimulationError("rank 0 could not prepare the run folder (its error says why)")
+    assign = {pid: i * world // len(ids) for i, pid in enumerate(ids)}
+    groups = [[p for p in ids if assign[p] == w] for w in range(world)]
+    if run is not None and progress:
         run.show_progress(len(ids) * (cfg.rounds - start))
+
     procs: list[Any] = []
     frozen = False
-    cores = worker_cores(workers) if cfg.simulation.pin_cores and workers > 1 else None
-    if workers == 1:
-        events: Any = queue.Queue()
-        inboxes: list[Any] = [queue.Queue()]
-        th = threading.Thread(target=_worker, args=(0, exp, groups[0], assign, inboxes, events, run_dir, start > 0),
-                              daemon=True)
-        th.start()
-    else:
-        ctx = mp.get_context("fork")
-        events = ctx.Queue()
-        inboxes = [ctx.Queue() for _ in range(workers)]
-        # Move every object alive now out of the collector's reach (until the run ends): a worker's
-        # full collections would otherwise write to the GC header of each object it inherited, and
-        # copy-on-write duplicates those pages in every worker (~45 MB per worker at 128 peers).
-        gc.freeze()
-        frozen = True
-        for w in range(workers):
-            p = ctx.Process(target=_worker, args=(w, exp, groups[w], assign, inboxes, events, run_dir, start > 0,
-                                                  cores[w] if cores else None),
-                            name=f"p2pfl-sim-{w}", daemon=True)
-            p.start()
-            procs.append(p)
+    store_dir: str | None = None
+    affinity: set[int] | None = None
+    ranks = launched
     try:
-        _collect(events, run, workers, procs)
+        if ranks is None and world > 1:
+            store_dir = tempfile.mkdtemp(prefix="p2pfl-ranks-")
+            store = Path(store_dir) / "store"
+            cores = worker_cores(world) if cfg.simulation.pin_cores else None
+            ctx = mp.get_context("fork")
+            # Move every object alive now out of the collector's reach (until the run ends): a rank's
+            # full collections would otherwise write to the GC header of each object it inherited, and
+            # copy-on-write duplicates those pages in every rank (~45 MB per rank at 128 peers).
+            gc.freeze()
+            frozen = True
+            for w in range(1, world):
+                p = ctx.Process(target=_rank_process, args=(w, world, store, exp, groups[w], assign, run_dir,
+                                                            start > 0, cores[w] if cores else None),
+                                name=f"p2pfl-sim-{w}", daemon=True)
+                p.start()
+                procs.append(p)
+            if cores:
+                affinity = os.sched_getaffinity(0)
+                os.sched_setaffinity(0, {cores[0]})  # this thread only: put back when the run ends
+            ranks = procgroup.local(0, world, store)
+        elif ranks is None:
+            ranks = procgroup.single()
+        assert run is None or rank == 0
+        try:
+            _run_rank(ranks, exp, groups[rank], assign, run_dir, start > 0, run.record if run is not None else None)
+        except RanksError as exc:
+            raise SimulationError(_dead_rank(procs) or str(exc)) from None
     finally:
-        for box in inboxes:
-            box.put(None)
+        if ranks is not None and ranks is not launched:
+            ranks.close()
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=5)
         if frozen:
             gc.unfreeze()
-        run.close()
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+        if store_dir is not None:
+            shutil.rmtree(store_dir, ignore_errors=True)
+        if run is not None:
+            run.close()
+    if run is None:
+        return {}
     drop_generations(run_dir)
-    return run.finish(ids, {"workers": workers, "resumed_from_round": start}, rounds_run=cfg.rounds - start)
+    return run.finish(ids, {"workers": world, "resumed_from_round": start}, rounds_run=cfg.rounds - start)
 
 
-def _collect(events: Any, run: RunFolder, workers: int, procs: list) -> None:
-    """Record results as they come (the run folder drives the progress bar); fail fast when a worker fails."""
-    finished = 0
-    while finished < workers:
-        try:
-            kind, payload = events.get(timeout=1.0)
-        except queue.Empty:
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise SimulationError(f"worker {dead[0].name} died (exit code {dead[0].exitcode})") from None
-            continue
-        if kind == "rounds":
-            for rec in payload:
-                run.record(rec)
-        elif kind == "error":
-            raise SimulationError(f"peer {payload[0]} failed: {payload[1]}")
-        elif kind == "storage":
-            raise StorageError(*payload)
-        elif kind == "done":
-            finished += 1
+def _dead_rank(procs: list) -> str | None:
+    """Which forked rank died (the reason the group broke), if one did."""
+    for p in procs:
+        p.join(timeout=2)
+    dead = [p for p in procs if p.exitcode not in (None, 0)]
+    return f"rank process {dead[0].name} died (exit code {dead[0].exitcode})" if dead else None
+
+
+def _rank_process(rank: int, world: int, store: Path, exp: Experiment, peers: list[str], assign: dict[str, int],
+                  run_dir: Path, resume: bool, core: int | None) -> None:
+    """A forked rank of a plain ``p2pfl simulate``: join the local group, run its peers."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})  # this process and every thread it starts (see worker_cores)
+    torch.set_num_threads(1)
+    one_malloc_arena()
+    ranks = procgroup.local(rank, world, store)
+    try:
+        _run_rank(ranks, exp, peers, assign, run_dir, resume, None)
+    except (SimulationError, StorageError):  # rank 0 reports it (it has every rank's errors)
+        sys.exit(1)
+    finally:
+        ranks.close()
 
 
 def one_malloc_arena() -> None:
     """Make this process's threads share one glibc malloc arena (a no-op off glibc).
 
-    Each thread of a worker (its peers' thread, the bridge, the queues' feeders) would otherwise
+    Each thread of a rank (its peers' thread, and any torch or a user's code starts) would otherwise
     get an arena of its own (up to 8 per core), each keeping the freed blocks it allocated: when
     every peer was a thread of its own, about 200 MB more per worker at 64 peers, measured.
 
@@ -178,8 +257,8 @@ def worker_cores(workers: int) -> list[int] | None:
     each its own slice); otherwise None, and the kernel places them (with spare cores, two runs
     pinned by the same rule would share cores while others idle). None off Linux.
 
-    Why: a worker's threads (its peers', the bridge, the queues' feeders) wake each other many
-    times a round. Unpinned, the kernel often wakes a thread on the *other* core, where it preempts
+    Why (measured when a worker still had bridge and queue-feeder threads beside its peers'): threads
+    that wake each other many times a round. Unpinned, the kernel often wakes a thread on the *other* core, where it preempts
     the other worker, and then migrates threads back: measured at 128 peers on 2 cores when each
     peer was a thread, a peer thread ran only 80-87% of the wall time it spent training (the tight
     loop's single thread: 99%), and a worker was busy 86-87% of its wall time; pinned, 99-100%.
@@ -191,65 +270,119 @@ def worker_cores(workers: int) -> list[int] | None:
     return allowed if len(allowed) == workers else None
 
 
-def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], inboxes: list, events: Any,
-            run_dir: Path, resume: bool = False, core: int | None = None) -> None:
-    """Run the Nodes of ``peers`` (greenlets taking turns), bridging messages to and from the other workers."""
-    if core is not None:
-        os.sched_setaffinity(0, {core})  # this process and every thread it starts (see worker_cores)
-    torch.set_num_threads(1)
-    one_malloc_arena()
+def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str, int], run_dir: Path,
+              resume: bool, sink: Callable[[dict[str, Any]], Any] | None) -> None:
+    """Run the Nodes of ``peers`` (greenlets taking turns) and the exchange steps with the other ranks
+    until every rank is done. ``sink``: where records go (rank 0: the run folder); None: to rank 0."""
+    rank, world = ranks.rank, ranks.world
+    outboxes = [bytearray() for _ in range(world)]  # what goes to each rank at the next step
 
     def forward(msg: Message, remote: list[str], size: int) -> None:
-        # The wire codec's own frames cross the bridge: what gRPC would carry, so dtype, manifest,
-        # checksum and finiteness are checked exactly as a deployed receiver checks them.
+        # The wire codec's own frames cross between ranks: what gRPC would carry.
         frames = encode_frames(msg).frames
-        for ww, count in Counter(assign[p] for p in remote).items():
-            inboxes[ww].put(((msg.sender, msg.round, msg.step, frames, size), count))
+        for r, count in Counter(assign[p] for p in remote).items():
+            _pack_payload(outboxes[r], msg, size, count, frames)
 
-    hub = MemoryHub(local_peers=set(peers), forward=forward)
-    # What this worker's peers expect of every payload (the same for all of them: one experiment).
+    hub = MemoryHub(local_peers=set(peers), forward=forward) if world > 1 else MemoryHub()
+    # What this rank's peers expect of every payload (the same for all of them: one experiment).
     probe = exp.new_algorithm()
     specs, scalar_keys, topology_hash = probe.wire_specs(), frozenset(probe.wire_scalars()), exp.topology.hash()
     del probe
+    pending: list[dict[str, Any]] = []  # records for rank 0
+    # this rank's failure (the first), then those other ranks reported (rank 0): what to raise
+    errors: list[BaseException] = []
+    failed = False  # a peer of this rank failed
+    failure_seen = False  # a peer of some rank failed
 
-    def bridge() -> None:
-        while True:
-            item = inboxes[w].get()
-            if item is None:
-                return
-            (sender, r, step, frames, size), count = item
-            expected = Expectation(specs=specs, round=r, step=step, topology_hash=topology_hash,
-                                   senders=frozenset((sender,)), scalar_keys=scalar_keys, wire=exp.wire_format)
-            try:
-                msg = decode((parse_frame(f) for f in frames), expected)
-            except WireError as exc:
-                log.warning("worker %d: payload of %s for (round %d, step %d) refused: %s", w, sender, r, step, exc)
-                hub.refuse(sender, r, step, count, size)
-                continue
-            if msg.flat.device != exp.device:
-                msg = dataclasses.replace(msg, flat=msg.flat.to(exp.device),
-                                          indices=None if msg.indices is None else msg.indices.to(exp.device))
-            hub.put(msg, count, size)
+    def record(rec: dict[str, Any]) -> None:
+        if sink is not None:
+            sink(rec)
+        else:
+            pending.append(rec)
 
-    threading.Thread(target=bridge, name=f"bridge-{w}", daemon=True).start()
-    configure_storage(exp.cfg.checkpoint.storage_retry_s)  # a spawned worker starts with the default
+    def deliver(buf: memoryview) -> None:
+        for kind, body in _entries(buf):
+            if kind == _PAYLOAD:
+                sender, r, step, size, count, frames = _unpack_payload(body)
+                expected = Expectation(specs=specs, round=r, step=step, topology_hash=topology_hash,
+                                       senders=frozenset((sender,)), scalar_keys=scalar_keys, wire=exp.wire_format)
+                try:
+                    msg = decode((parse_frame(f) for f in frames), expected)
+                except WireError as exc:
+                    log.warning("rank %d: payload of %s for (round %d, step %d) refused: %s", rank, sender, r, step,
+                                exc)
+                    hub.refuse(sender, r, step, count, size)
+                    continue
+                if msg.flat.device != exp.device:
+                    msg = dataclasses.replace(msg, flat=msg.flat.to(exp.device),
+                                              indices=None if msg.indices is None else msg.indices.to(exp.device))
+                hub.put(msg, count, size)
+            elif kind == _RECORDS and sink is not None:
+                for line in bytes(body).decode().splitlines():
+                    sink(json.loads(line))
+            elif kind == _ERROR:
+                errors.append(SimulationError(bytes(body).decode(errors="replace")))
+            elif kind == _STORAGE:
+                path, problem = json.loads(bytes(body).decode())
+                errors.append(StorageError(path, problem))
+
+    def exchange(flags: int) -> procgroup.Step:
+        nonlocal failure_seen
+        if pending:
+            _pack(outboxes[0], _RECORDS, "".join(json.dumps(r) + "\n" for r in pending).encode())
+            pending.clear()
+        out = list(outboxes)
+        for r in range(world):
+            outboxes[r] = bytearray()
+        step = ranks.step(out, flags | (FAILED if failed else 0))
+        for buf in step.received:
+            if len(buf):
+                deliver(buf)
+        if step.any(FAILED):
+            failure_seen = True
+            if not hub.aborted:
+                hub.abort("a peer of another rank failed")
+        if step.moved == 0 and not step.any(FAILED) and not step.all(DONE) and not step.any(TIMERS):
+            # Every rank is idle, nothing moved, no peer has a deadline to wait out: no message can come.
+            raise SimulationError("deadlock: every peer waits for a message that no peer will send")
+        return step
+
+    def idle(seconds: float | None) -> None:
+        """No peer of this rank can go on: an exchange step (lockstep with the other ranks).
+
+        A timer counts (TIMERS) only when it is not a reader's deadline (a week, SIM_DEADLINE_S):
+        when every rank is idle and nothing moves, only a peer's own pause can end the wait; a
+        deadline would, a week later, only record the neighbours as missing."""
+        paused = seconds is not None and seconds < SIM_DEADLINE_S / 2
+        step = exchange(TIMERS if paused else 0)
+        if step.moved == 0 and paused and not step.any(FAILED):
+            # Nothing can come before this rank's pause ends (the others wait in the next step).
+            time.sleep(seconds)  # type: ignore[arg-type]
+
+    configure_storage(exp.cfg.checkpoint.storage_retry_s)  # a started rank has the default
     models = ModelPool(exp.model_factory, 1)
-    turns = Turns()  # the worker's peers, greenlets of this thread, one running at a time (p2pfl/turns.py)
-
-    records = _RecordBatch(events, len(peers))
-    record = records.add
+    turns = Turns(idle=idle)  # the rank's peers, greenlets of this thread, one running at a time (p2pfl/turns.py)
 
     def run(pid: str) -> None:
+        nonlocal failed
         try:
             with turns.held((-1, exp.topology.index(pid))):
                 run_node(pid)
         except BaseException as exc:  # noqa: BLE001 - any failure stops the whole simulation
+            if hub.aborted:
+                return  # woken by the abort of another failure: that one is reported
             hub.abort(f"peer {pid} failed: {exc!r}")
-            records.flush()
+            failed = True
             if isinstance(exc, StorageError):  # one line, as `p2pfl node` says it (exit 74)
-                events.put(("storage", (exc.path, exc.problem)))
+                error: BaseException = StorageError(exc.path, exc.problem)
+                kind, body = _STORAGE, json.dumps([exc.path, exc.problem]).encode()
             else:
-                events.put(("error", (pid, "".join(traceback.format_exception(exc)))))
+                text = f"peer {pid} failed: " + "".join(traceback.format_exception(exc))
+                error, kind, body = SimulationError(text), _ERROR, text.encode()
+            if rank == 0:
+                errors.insert(0, error)
+            else:
+                _pack(outboxes[0], kind, body)
 
     def run_node(pid: str) -> None:
         node = exp.make_node(pid, transport=MemoryTransport(hub, pid, turns, exp.topology.index(pid)), models=models,
@@ -267,34 +400,55 @@ def _worker(w: int, exp: Experiment, peers: list[str], assign: dict[str, int], i
     for pid in peers:
         turns.spawn(run, pid)
     turns.run()
-    records.flush()
-    events.put(("done", w))
+    while not exchange(DONE).all(DONE):  # the other ranks' peers may still need this rank's steps
+        pass
+    if errors:
+        raise errors[0]
+    if failed or failure_seen:
+        raise SimulationError("a peer of another rank failed (rank 0 reports which)")
 
 
-class _RecordBatch:
-    """A worker's round records, sent to the collecting process a round's worth at a time.
+# Entries of the byte buffer one rank sends another at a step: kind (1 byte), body length (8 bytes), body.
+_PAYLOAD, _RECORDS, _ERROR, _STORAGE = b"P", b"R", b"E", b"S"
+_ENTRY = struct.Struct("<cQ")
+# A payload's body: round, step, wire size, local readers, sender id length, frame count; then the
+# sender id, the frame lengths (8 bytes each) and the frames (what `encode_frames` made).
+_PAYLOAD_HEAD = struct.Struct("<qqqqII")
 
-    One queue put per record woke the queue's feeder thread once per peer and round, beside the
-    peer training (a GIL handoff each time, measured in the workers' context switches).
-    Nothing is lost by waiting: a record reaches ``metrics.jsonl`` after its peer's checkpoint in
-    any case, and a resumed run rewrites the rounds after the last common checkpoint.
-    """
 
-    def __init__(self, events: Any, size: int) -> None:
-        self._events, self._size = events, max(1, size)
-        self._lock = threading.Lock()
-        self._pending: list[dict[str, Any]] = []
+def _pack(buf: bytearray, kind: bytes, body: bytes | bytearray) -> None:
+    buf += _ENTRY.pack(kind, len(body))
+    buf += body
 
-    def add(self, rec: dict[str, Any]) -> None:
-        with self._lock:
-            self._pending.append(rec)
-            if len(self._pending) < self._size:
-                return
-            batch, self._pending = self._pending, []
-        self._events.put(("rounds", batch))
 
-    def flush(self) -> None:
-        with self._lock:
-            batch, self._pending = self._pending, []
-        if batch:
-            self._events.put(("rounds", batch))
+def _pack_payload(buf: bytearray, msg: Message, size: int, count: int, frames: tuple[bytes, ...]) -> None:
+    sender = msg.sender.encode()
+    body = bytearray(_PAYLOAD_HEAD.pack(msg.round, msg.step, size, count, len(sender), len(frames)))
+    body += sender
+    body += struct.pack(f"<{len(frames)}Q", *(len(f) for f in frames))
+    for f in frames:
+        body += f
+    _pack(buf, _PAYLOAD, body)
+
+
+def _entries(buf: memoryview) -> Iterator[tuple[bytes, memoryview]]:
+    at = 0
+    while at < len(buf):
+        kind, n = _ENTRY.unpack_from(buf, at)
+        at += _ENTRY.size
+        yield kind, buf[at : at + n]
+        at += n
+
+
+def _unpack_payload(body: memoryview) -> tuple[str, int, int, int, int, list[memoryview]]:
+    r, step, size, count, n_sender, n_frames = _PAYLOAD_HEAD.unpack_from(body, 0)
+    at = _PAYLOAD_HEAD.size
+    sender = bytes(body[at : at + n_sender]).decode()
+    at += n_sender
+    lengths = struct.unpack_from(f"<{n_frames}Q", body, at)
+    at += 8 * n_frames
+    frames = []
+    for n in lengths:
+        frames.append(body[at : at + n])
+        at += n
+    return sender, r, step, size, count, frames

@@ -10,9 +10,9 @@ handoff, and every peer's training runs on the same warm thread, as in a hand-wr
 
 The in-memory transport drives it through `ticket`, `admit` and `wait` (`MemoryHub.take_gated`)
 and `pause`; a peer starts with `held`. A peer waiting for its messages parks its ticket;
-whoever stores the last of them (a peer of this worker, or the bridge thread bringing messages
-from other workers) `admit`s it, and the scheduler switches to the
-admitted peer of smallest priority (its round, then its index), as the thread token served its
+whoever stores the last of them (a peer of this worker, or the simulation's exchange step
+bringing messages from other ranks, run by the ``idle`` hook when no peer may run) `admit`s it,
+and the scheduler switches to the admitted peer of smallest priority (its round, then its index), as the thread token served its
 waiters. Which peer runs when never changes a result: each peer's randomness is its own.
 
 Switch points are only `wait` (inside `take_gated`, `take`, `pause`), never inside a torch call.
@@ -49,9 +49,13 @@ class Ticket:
 class Turns:
     """The scheduler of one worker's peer greenlets; `run` them from the thread that made this."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle: Callable[[float | None], None] | None = None) -> None:
+        # ``idle(seconds)``: called (lock not held) when no peer may run, with the seconds to the
+        # earliest live timer (None: none); it may admit peers (the simulation's exchange step with
+        # the other ranks). Without it the scheduler waits for another thread to admit one.
+        self._idle = idle
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)  # the bridge thread admitting a peer to an idle worker
+        self._wake = threading.Condition(self._lock)  # another thread admitting a peer (no idle hook)
         # heap (priority, arrival, ticket, None for an admission | the wait_no of a timeout)
         self._ready: list[tuple[tuple, int, Ticket, int | None]] = []
         self._timers: list[tuple[float, int, Ticket, int]] = []  # heap (deadline, arrival, ticket, wait_no)
@@ -86,8 +90,8 @@ class Turns:
 
     def _next(self) -> tuple[Ticket, bool]:
         """The next peer to run: one whose timer ran out while parked (False), else the admitted
-        one of smallest priority (True); waits, without holding the lock, for the bridge thread to
-        admit one when there is none. Expired timers are moved on every call, so timers of waits
+        one of smallest priority (True); when there is none, calls the ``idle`` hook (or waits,
+        without holding the lock, for another thread to admit one). Expired timers are moved on every call, so timers of waits
         that were admitted in time leave the heap even when the worker is never idle."""
         with self._lock:
             while True:
@@ -105,6 +109,14 @@ class Turns:
                     if ticket.parked and ticket.wait_no == no and not ticket.admitted:  # unless admitted meanwhile
                         self._unpark(ticket)
                         return ticket, False
+                if self._idle is not None:
+                    seconds = self._timers[0][0] - now if self._live_timers else None
+                    self._lock.release()
+                    try:
+                        self._idle(seconds)
+                    finally:
+                        self._lock.acquire()
+                    continue
                 self._wake.wait(self._timers[0][0] - now if self._timers else None)
 
     def _unpark(self, ticket: Ticket) -> None:

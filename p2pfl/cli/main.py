@@ -172,17 +172,29 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
                                                   "one to more rounds")] = False,
              verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
              accept_config_change: AcceptChangeOpt = False) -> None:
-    """Run every peer of CONFIG in one process (in-memory transport) and write a run folder."""
+    """Run every peer of CONFIG (in-memory transport, peers sharded over `simulation.workers` ranks) and
+    write a run folder. Under torchrun each process is a rank: `torchrun --nproc-per-node K $(which p2pfl)
+    simulate -c CONFIG --out RUN` (docs/scale.md)."""
     _setup_logging(verbose)
     cfg = _load(config, set, rounds)
+    from p2pfl.procgroup import launched
     from p2pfl.simulation import one_malloc_arena
     from p2pfl.simulation import simulate as run_sim
 
-    one_malloc_arena()  # before the progress bar's thread, so the forked workers inherit one arena
+    if launched() and out is None:  # every rank must name the same folder: torchrun's run id, not the time
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        if run_id == "none" or not run_id.replace("-", "").replace("_", "").isalnum():
+            from p2pfl.badinput import BadInput
+
+            raise BadInput("under torchrun without a run id (--rdzv-id) every rank must be given the run folder",
+                           source="--out", hint="pass --out RUN (on a filesystem every host sees)")
+        out = Path("runs") / f"{cfg.name}-{cfg.algorithm_name}-{run_id}"
+    one_malloc_arena()  # before the progress bar's thread, so the forked ranks inherit one arena
     run_dir = out or default_run_dir(cfg.name, cfg.algorithm_name)
     with _making(run_dir, config):
         summary = run_sim(cfg, run_dir, progress=not quiet, resume=resume, accept_config_change=accept_config_change)
-    print_summary(summary, run_dir)
+    if summary:  # rank 0 (the other ranks of a torchrun launch return nothing)
+        print_summary(summary, run_dir)
 
 
 @app.command()

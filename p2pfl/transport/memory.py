@@ -4,9 +4,10 @@ A board keyed by (sender, round, step) plays the role of every peer's gRPC servi
 is storing, pulling is waiting on a condition until the key is present. A message is dropped
 once every peer that will read it has done so, so memory stays bounded.
 
-When the simulation runs peers in several worker processes, each process has its own board and
-a ``forward`` callback carries a message to the other processes whose peers read it (the
-simulation's bridge); the board then only counts its local readers.
+When the simulation shards peers over several ranks (processes), each rank has its own board and
+a ``forward`` callback hands a message for peers of other ranks to the simulation, which sends its
+wire frames at the next exchange step (``p2pfl/simulation.py``); the board then only counts its
+local readers.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ class MemoryHub:
         self._store((message.sender, message.round, message.step), message, count, size, _finite(message))
 
     def refuse(self, sender: str, round: int, step: int, count: int, size: int) -> None:
-        """Record that ``sender``'s payload for (round, step) arrived and was refused (the bridge's
-        decoder said why): its ``count`` local readers get it as rejected, as from a NaN payload."""
+        """Record that ``sender``'s payload for (round, step) arrived and was refused (the decoder
+        of the simulation's exchange step said why): its ``count`` local readers get it as rejected, as from a NaN payload."""
         if count > 0:
             self._store((sender, round, step), None, count, size, False)
 
@@ -138,7 +139,7 @@ class MemoryHub:
         waits, and it returns (or raises) in its turn again.
 
         The reader is woken once: when its last message is stored, the storer (a peer of this
-        worker, or the bridge thread) admits it to the line with ``priority``, and it runs on its
+        worker, or the exchange step with other ranks) admits it to the line with ``priority``, and it runs on its
         turn. (Woken by its messages, it would only have gone back to waiting for its turn.)
         """
         out: dict[str, Message] = {}
@@ -212,6 +213,11 @@ class MemoryHub:
                 lst.remove(reader)
                 if not lst:
                     del self._waiters[key]
+
+    @property
+    def aborted(self) -> str | None:
+        """Why the simulation was aborted (`abort`), or None."""
+        return self._aborted
 
     def abort(self, reason: str) -> None:
         """Wake every waiter with an error (a peer failed)."""
