@@ -202,16 +202,23 @@ def test_simulate_checkpoints_without_fsync_node_with(tmp_path, monkeypatch: pyt
     from p2pfl.simulation import simulate
     from tests.conftest import tiny_config
 
-    synced: list[int] = []
-    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: synced.append(fd))
+    fsynced: list[bool] = []  # per checkpoint written: fsync'd or not (p2pfl.storage.atomic_write's durable)
+    real = checkpoint.atomic_write
+
+    def watched(path, data, durable=True, **kw):  # type: ignore[no-untyped-def]
+        fsynced.append(durable)
+        return real(path, data, durable=durable, **kw)
+
+    monkeypatch.setattr(checkpoint, "atomic_write", watched)
     cfg = load_config(tiny_config(tmp_path, rounds=2, checkpoint={"every": 1}, simulation={"workers": 1}), [])
     simulate(cfg, tmp_path / "run", progress=False)
     ckpts = sorted((tmp_path / "run" / "checkpoints").glob("*.npz"))
-    assert len(ckpts) == 4 and synced == []
+    assert len(ckpts) == 4 and fsynced and not any(fsynced)
     state, _, meta = checkpoint.load_checkpoint(ckpts[0])
     assert state.round == 2 and meta["record"]["round"] == 1
+    fsynced.clear()
     checkpoint.save_checkpoint(tmp_path / "n.npz", PeerState("p", torch.zeros(3), {}, {}, 0), torch.Generator())
-    assert len(synced) == 1 and os.path.exists(tmp_path / "n.npz")
+    assert fsynced == [True] and os.path.exists(tmp_path / "n.npz")
 
 
 _PER_THREAD_PROBE = r"""
