@@ -31,8 +31,8 @@ import grpc
 import torch
 
 from p2pfl.config import NetworkConfig
-from p2pfl.messages import Message
 from p2pfl.models.layout import TensorSpec
+from p2pfl.payload import Payload
 from p2pfl.proto import peer_pb2
 from p2pfl.security import TLSConfig, make_certs
 from p2pfl.topology import Topology, parse_topology
@@ -58,9 +58,9 @@ def _topology() -> Topology:
     })
 
 
-def _message(topo: Topology, peer: str) -> Message:
+def _message(topo: Topology, peer: str) -> Payload:
     g = torch.Generator().manual_seed(zlib.crc32(peer.encode()))
-    return Message(peer, 0, 0, topo.hash(), SPECS, torch.randn(1 << 20, generator=g), {"weight": 0.25})
+    return Payload(peer, 0, 0, topo.hash(), SPECS, torch.randn(1 << 20, generator=g), {"weight": 0.25})
 
 
 def one_attack(certs: Path, unread: int, never: int, deadline: float) -> dict[str, Any]:

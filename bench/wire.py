@@ -5,7 +5,7 @@ What is measured (median of ``--reps`` repetitions after one warm-up, same proce
 * ``ours``: tensors -> wire -> tensors on the receiver through `PeerServer` / `GrpcTransport`:
   the sender publishes (encode + CRC-32, once), the receiver pulls, validates (manifest, sizes,
   checksum, NaN/Inf) and gets a float32 tensor. Timed from before ``publish`` to the decoded
-  Message. Also a full symmetric ``exchange`` of two peers (both publish and pull at once).
+  Payload. Also a full symmetric ``exchange`` of two peers (both publish and pull at once).
 * ``raw``: a minimal bytes-streaming gRPC service defined here: the server slices the same float32
   buffer into chunks of the same size, the client copies them into a preallocated buffer and views
   it as a tensor. Same channel and server options, same TLS material. No header, no validation.
@@ -48,8 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from p2pfl.config import NetworkConfig  # noqa: E402
-from p2pfl.messages import Message  # noqa: E402
 from p2pfl.models.layout import TensorSpec  # noqa: E402
+from p2pfl.payload import Payload  # noqa: E402
 from p2pfl.security import TLSConfig, make_certs  # noqa: E402
 from p2pfl.topology import Topology, parse_topology  # noqa: E402
 from p2pfl.transport.grpc_service import PeerServer, channel_options, server_options  # noqa: E402
@@ -174,7 +174,7 @@ class OursPair:
     def one_way(self) -> float:
         """p0 publishes (encode once), p1 pulls and decodes: seconds."""
         r, self.round = self.round, self.round + 1
-        msg = Message("p0", r, 0, self.hash, self.specs, self.flats["p0"], {})
+        msg = Payload("p0", r, 0, self.hash, self.specs, self.flats["p0"], {})
         self.servers["p1"].set_round(r)  # keep the pair's rounds together for the exchanges that follow
         t0 = time.perf_counter()
         self.servers["p0"].publish(msg)
@@ -189,7 +189,7 @@ class OursPair:
         results: dict[str, Any] = {}
 
         def run(p: str) -> None:
-            m = Message(p, r, 0, self.hash, self.specs, self.flats[p], {})
+            m = Payload(p, r, 0, self.hash, self.specs, self.flats[p], {})
             results[p] = self.trans[p].exchange(m, self.topo.plan(p, r), 60.0)
 
         dt = _run_pair(run)

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from p2pfl.messages import Message
+from p2pfl.payload import Payload
 
 FAULT_KINDS: tuple[str, ...] = ("noise", "sign_flip", "scaled")
 
@@ -36,7 +36,7 @@ class ByzantineFault:
     scale: float = 1.0
 
 
-def tamper(msg: Message, fault: ByzantineFault, seed: int) -> Message:
+def tamper(msg: Payload, fault: ByzantineFault, seed: int) -> Payload:
     """``msg`` with ``fault`` applied to its tensor values (scalars such as mu are left alone)."""
     flat = msg.flat.detach()
     if fault.kind == "sign_flip":

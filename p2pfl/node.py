@@ -20,9 +20,9 @@ import torch
 from p2pfl.algorithms.base import Algorithm, PeerState, TrainContext
 from p2pfl.algorithms.dfedpgp import MU
 from p2pfl.checkpoint import load_checkpoint, save_checkpoint
-from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
 from p2pfl.models.layout import ParamLayout
+from p2pfl.payload import Payload
 from p2pfl.peerapp import PeerApp
 from p2pfl.topology import MixingPlan, Topology
 from p2pfl.transport.base import Transport
@@ -246,7 +246,7 @@ class Node:
             plan = self.topology.plan(self.peer_id, r, step, seed=self.seed, mode=self.algorithm.mode)
             flat, scalars = self.algorithm.outgoing(self.state, r, step)
             # A snapshot: the published payload must not change when this peer mixes.
-            msg = Message(self.peer_id, r, step, self.topology_hash, self.algorithm.wire_specs(),
+            msg = Payload(self.peer_id, r, step, self.topology_hash, self.algorithm.wire_specs(),
                           flat.detach().clone(), dict(scalars))
             # What crosses the wire (an attacker's fault, compression); `msg` stays the self term.
             wire_msg = self.pipeline.send(msg, self.state.extra) if self.pipeline else msg

@@ -57,8 +57,8 @@ import torch
 from p2pfl import procgroup
 from p2pfl.config import ConfigError, ExperimentConfig
 from p2pfl.experiment import Experiment
-from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
+from p2pfl.payload import Payload
 from p2pfl.procgroup import DONE, FAILED, TIMERS, Ranks, RanksError
 from p2pfl.resume import drop_generations, keep_generation, prepare_resume
 from p2pfl.runfolder import RunFolder
@@ -277,7 +277,7 @@ def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str,
     rank, world = ranks.rank, ranks.world
     outboxes = [bytearray() for _ in range(world)]  # what goes to each rank at the next step
 
-    def forward(msg: Message, remote: list[str], size: int) -> None:
+    def forward(msg: Payload, remote: list[str], size: int) -> None:
         # The wire codec's own frames cross between ranks: what gRPC would carry.
         frames = encode_frames(msg).frames
         for r, count in Counter(assign[p] for p in remote).items():
@@ -421,7 +421,7 @@ def _pack(buf: bytearray, kind: bytes, body: bytes | bytearray) -> None:
     buf += body
 
 
-def _pack_payload(buf: bytearray, msg: Message, size: int, count: int, frames: tuple[bytes, ...]) -> None:
+def _pack_payload(buf: bytearray, msg: Payload, size: int, count: int, frames: tuple[bytes, ...]) -> None:
     sender = msg.sender.encode()
     body = bytearray(_PAYLOAD_HEAD.pack(msg.round, msg.step, size, count, len(sender), len(frames)))
     body += sender

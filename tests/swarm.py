@@ -29,10 +29,10 @@ import torch
 
 from p2pfl.config import NetworkConfig
 from p2pfl.experiment import Experiment
-from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
 from p2pfl.models.layout import TensorSpec
 from p2pfl.node_process import network_for
+from p2pfl.payload import Payload
 from p2pfl.security import TLSConfig, make_certs
 from p2pfl.topology import Topology, parse_topology
 from p2pfl.transport.base import ExchangeResult
@@ -86,9 +86,9 @@ def ring(n: int) -> Topology:
     })
 
 
-def message(topo: Topology, peer: str, r: int, step: int = 0, scalars: dict[str, float] | None = None) -> Message:
+def message(topo: Topology, peer: str, r: int, step: int = 0, scalars: dict[str, float] | None = None) -> Payload:
     g = torch.Generator().manual_seed(zlib.crc32(f"{peer}/{r}/{step}".encode()))
-    return Message(peer, r, step, topo.hash(), SPECS, torch.randn(NUMEL, generator=g),
+    return Payload(peer, r, step, topo.hash(), SPECS, torch.randn(NUMEL, generator=g),
                    {"weight": 0.5} if scalars is None else scalars)
 
 
@@ -130,7 +130,7 @@ class Cluster:
         self.transports[p] = GrpcTransport(p, self.topo, s, tls=tls, network_cfg=self.cfg, expected_specs=SPECS,
                                            scalar_keys=self.scalar_keys)
 
-    def exchange_all(self, msgs: dict[str, Message], deadline_s: float = 5.0) -> dict[str, ExchangeResult]:
+    def exchange_all(self, msgs: dict[str, Payload], deadline_s: float = 5.0) -> dict[str, ExchangeResult]:
         out: dict[str, ExchangeResult] = {}
         errors: list[BaseException] = []
 

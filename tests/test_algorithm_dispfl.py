@@ -15,9 +15,9 @@ from p2pfl.config import load_config
 from p2pfl.data import load_dataset
 from p2pfl.data.loader import PeerData
 from p2pfl.experiment import Experiment
-from p2pfl.messages import Message
 from p2pfl.models import build_model, split_parameter_names
 from p2pfl.models.layout import ParamLayout, TensorSpec
+from p2pfl.payload import Payload
 from p2pfl.simulation import simulate
 from p2pfl.topology import MixingPlan
 from tests.conftest import tiny_config
@@ -130,9 +130,9 @@ def test_aggregation_averages_each_weight_over_its_holders() -> None:
     weights = {"p0": [1, 2, 3, 4, 0, 0], "p1": [10, 999, 30, 0, 50, 0], "p2": [100, 200, 0, 0, 500, 600]}
     biases = {"p0": [1, -1], "p1": [2, 4], "p2": [3, 8]}  # p1 lies: 999 outside its mask must be ignored
 
-    def msg(pid: str) -> Message:
+    def msg(pid: str) -> Payload:
         flat = torch.tensor(weights[pid] + biases[pid] + masks[pid], dtype=torch.float32)
-        return Message(pid, 0, 0, "h", alg.wire_specs(), flat, {})
+        return Payload(pid, 0, 0, "h", alg.wire_specs(), flat, {})
 
     own = msg("p0")
     st = PeerState("p0", own.flat[:8].clone(), extra={MASK_KEY: torch.tensor(masks["p0"] + [1, 1.0])})
@@ -163,7 +163,7 @@ def test_aggregation_is_order_deterministic() -> None:
     for i in range(4):
         st = PeerState(f"p{i}", init + 0.01 * torch.randn(init.shape, generator=torch.Generator().manual_seed(i)))
         alg.init_state(st, torch.Generator().manual_seed(10 + i))
-        msgs[f"p{i}"] = (st, Message(f"p{i}", 0, 0, "h", alg.wire_specs(), alg.outgoing(st, 0, 0)[0], {}))
+        msgs[f"p{i}"] = (st, Payload(f"p{i}", 0, 0, "h", alg.wire_specs(), alg.outgoing(st, 0, 0)[0], {}))
     plan = MixingPlan("p0", 0, 0, "pull", 0.25, {"p1": 0.25, "p2": 0.25, "p3": 0.25}, {})
     results = []
     for order in (["p1", "p2", "p3"], ["p3", "p1", "p2"]):

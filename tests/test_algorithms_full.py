@@ -32,9 +32,9 @@ from p2pfl.algorithms.local_sgd import loss_step, run_sgd
 from p2pfl.algorithms.sam import sam_gradient, sam_step
 from p2pfl.config import load_config
 from p2pfl.data import PeerData, load_dataset
-from p2pfl.messages import Message
 from p2pfl.models import build_model, split_parameter_names
 from p2pfl.models.layout import ParamLayout
+from p2pfl.payload import Payload
 from p2pfl.simulation import simulate
 from p2pfl.topology import generate
 from tests.conftest import tiny_config
@@ -73,7 +73,7 @@ def _gossip(algo: Any, states: dict[str, PeerState], topo: Any, rnd: int, seed: 
     """What the Nodes do for one round's gossip: per step, every peer snapshots ``outgoing``,
     then every peer combines the step's snapshots of its in-neighbours (Jacobi)."""
     for step in range(algo.gossip_steps()):
-        msgs = {pid: Message(pid, rnd, step, "h", algo.wire_specs(), algo.outgoing(s, rnd, step)[0].clone())
+        msgs = {pid: Payload(pid, rnd, step, "h", algo.wire_specs(), algo.outgoing(s, rnd, step)[0].clone())
                 for pid, s in states.items()}
         for pid, s in states.items():
             plan = topo.plan(pid, rnd, step, seed=seed, mode=algo.mode)

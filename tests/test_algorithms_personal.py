@@ -25,9 +25,9 @@ from p2pfl.algorithms.dfedpgp import PRESETS as PGP_PRESETS
 from p2pfl.algorithms.dfedpgp import DFedPGP
 from p2pfl.config import load_config, resolve_preset
 from p2pfl.experiment import Experiment
-from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
 from p2pfl.node import Node
+from p2pfl.payload import Payload
 from p2pfl.simulation import simulate
 from p2pfl.topology import MixingPlan, Topology, generate, is_doubly_stochastic
 from p2pfl.transport.base import ExchangeResult, Transport
@@ -64,17 +64,17 @@ def _experiment(tmp_path: Path, algorithm: dict[str, Any], **kw: Any) -> Experim
 
 
 class Capture(Transport):
-    """Records every Message the Node hands to the transport, then delegates."""
+    """Records every Payload the Node hands to the transport, then delegates."""
 
-    def __init__(self, inner: Transport, sink: list[Message]) -> None:
+    def __init__(self, inner: Transport, sink: list[Payload]) -> None:
         self.inner, self.sink = inner, sink
 
-    def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
+    def exchange(self, message: Payload, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
         self.sink.append(message)
         return self.inner.exchange(message, plan, deadline_s)
 
 
-def _nodes(exp: Experiment, sink: list[Message] | None = None, hub: MemoryHub | None = None) -> list[Node]:
+def _nodes(exp: Experiment, sink: list[Payload] | None = None, hub: MemoryHub | None = None) -> list[Node]:
     hub = hub or MemoryHub()
     models = ModelPool(exp.model_factory, 1)
     nodes = []
@@ -119,7 +119,7 @@ def _gossip(exp: Experiment, nodes: list[Node], r: int) -> None:
     msgs = {}
     for n in nodes:
         flat, scalars = n.algorithm.outgoing(n.state, r, 0)
-        msgs[n.peer_id] = Message(n.peer_id, r, 0, "h", n.algorithm.wire_specs(), flat.detach().clone(), dict(scalars))
+        msgs[n.peer_id] = Payload(n.peer_id, r, 0, "h", n.algorithm.wire_specs(), flat.detach().clone(), dict(scalars))
     for n in nodes:
         plan = exp.topology.plan(n.peer_id, r, 0, seed=exp.cfg.seed, mode=n.algorithm.mode)
         n.algorithm.combine(n.state, r, 0, msgs[n.peer_id], {j: msgs[j] for j in plan.in_weights}, plan)
@@ -255,7 +255,7 @@ def test_dfedsmdc_applies_sam_to_the_body_only(tmp_path: Path) -> None:
 def test_only_the_shared_body_goes_on_the_wire(tmp_path: Path, algo: str) -> None:
     exp = _experiment(tmp_path, FAST[algo], rounds=3, kind="full")
     layout = exp.layout
-    sent: list[Message] = []
+    sent: list[Payload] = []
     hub = MemoryHub()
     nodes = _nodes(exp, sent, hub)
     init = nodes[0].state.params.clone()
@@ -278,10 +278,10 @@ def test_only_the_shared_body_goes_on_the_wire(tmp_path: Path, algo: str) -> Non
     n0 = nodes[0]
     plan = exp.topology.plan(n0.peer_id, 3, 0, seed=exp.cfg.seed, mode=n0.algorithm.mode)
     flat, scalars = n0.algorithm.outgoing(n0.state, 3, 0)
-    junk = {j: Message(j, 3, 0, "h", n0.algorithm.wire_specs(), torch.full((ns,), 7.0), dict(scalars))
+    junk = {j: Payload(j, 3, 0, "h", n0.algorithm.wire_specs(), torch.full((ns,), 7.0), dict(scalars))
             for j in plan.in_weights}
     head, body = n0.state.params[ns:].clone(), n0.state.params[:ns].clone()
-    n0.algorithm.combine(n0.state, 3, 0, Message(n0.peer_id, 3, 0, "h", (), flat.clone(), dict(scalars)), junk, plan)
+    n0.algorithm.combine(n0.state, 3, 0, Payload(n0.peer_id, 3, 0, "h", (), flat.clone(), dict(scalars)), junk, plan)
     assert torch.equal(n0.state.params[ns:], head) and not torch.allclose(n0.state.params[:ns], body)
 
 
@@ -366,7 +366,7 @@ def test_pull_mode_keeps_mu_exactly_one(tmp_path: Path) -> None:
     # 1 + 2 ulp in float64, so "exactly 1" needs the documented snap
     topo = generate("random_pull", 7, k=5)
     exp = _experiment(tmp_path, FAST["dfedpgp"], topology=topo, rounds=4)
-    sent: list[Message] = []
+    sent: list[Payload] = []
     hub = MemoryHub()
     nodes = _nodes(exp, sent, hub)
     _run(nodes, hub)
@@ -376,7 +376,7 @@ def test_pull_mode_keeps_mu_exactly_one(tmp_path: Path) -> None:
 
 def test_push_mode_through_the_node_loop(tmp_path: Path) -> None:
     exp = _experiment(tmp_path, FAST["dfedpgp-push"], topology=generate("random_pull", 5, k=1), rounds=4)
-    sent: list[Message] = []
+    sent: list[Payload] = []
     hub = MemoryHub()
     nodes = _nodes(exp, sent, hub)
     _run(nodes, hub)
@@ -390,9 +390,9 @@ def test_pull_mode_refuses_a_push_sum_weight(tmp_path: Path) -> None:
     n0 = _nodes(exp)[0]
     plan = exp.topology.plan(n0.peer_id, 0, 0, seed=exp.cfg.seed)
     flat, _ = n0.algorithm.outgoing(n0.state, 0, 0)
-    bad = {j: Message(j, 0, 0, "h", (), flat.clone(), {"mu": 0.5}) for j in plan.in_weights}
+    bad = {j: Payload(j, 0, 0, "h", (), flat.clone(), {"mu": 0.5}) for j in plan.in_weights}
     with pytest.raises(ValueError, match="pull mode"):
-        n0.algorithm.combine(n0.state, 0, 0, Message(n0.peer_id, 0, 0, "h", (), flat.clone(), {"mu": 1.0}), bad, plan)
+        n0.algorithm.combine(n0.state, 0, 0, Payload(n0.peer_id, 0, 0, "h", (), flat.clone(), {"mu": 1.0}), bad, plan)
 
 
 def test_personal_state_survives_checkpoints(tmp_path: Path) -> None:
@@ -450,7 +450,7 @@ class Reversed(Transport):
     def __init__(self, inner: Transport) -> None:
         self.inner = inner
 
-    def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
+    def exchange(self, message: Payload, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
         res = self.inner.exchange(message, plan, deadline_s)
         res.received = dict(reversed(list(res.received.items())))
         return res

@@ -28,8 +28,8 @@ from p2pfl.experiment import Experiment
 from p2pfl.flower.appstate import app_layout
 from p2pfl.flower.clientapp import AppError, AppSpec, initial_state, load_client_app
 from p2pfl.flower.records import state_to_tensors, tensors_to_state
-from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
+from p2pfl.payload import Payload
 from p2pfl.simulation import simulate
 from p2pfl.topology import MixingPlan, generate
 from p2pfl.transport.base import ExchangeResult, Transport
@@ -113,7 +113,7 @@ class CapturingTransport(Transport):
         self.node: Any = None
         self.seen: list[tuple[list[str], bytes, dict[str, bytes]]] = []
 
-    def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
+    def exchange(self, message: Payload, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
         personal = {k: v.detach().cpu().numpy().tobytes()
                     for k, v in self.layout.views(self.node.state.params, "personal").items()}
         frames = encode_frames(message).frames

@@ -18,8 +18,8 @@ import torch
 
 from p2pfl.config import ConfigError, load_config
 from p2pfl.experiment import Experiment
-from p2pfl.messages import Message
 from p2pfl.models.layout import TensorSpec
+from p2pfl.payload import Payload
 from p2pfl.proto import peer_pb2
 from p2pfl.simulation import simulate
 from p2pfl.wire import codec
@@ -33,21 +33,21 @@ SPECS = (TensorSpec("w", (4, 5), 0, 20), TensorSpec("b", (5,), 20, 5), TensorSpe
 FLOAT = SPECS[:2]
 
 
-def _message(specs=SPECS, seed: int = 0) -> Message:
+def _message(specs=SPECS, seed: int = 0) -> Payload:
     g = torch.Generator().manual_seed(seed)
     n = sum(s.numel for s in specs)
     flat = torch.randn(n, generator=g)
     for s in specs:
         if s.dtype == "bit":
             flat[s.offset : s.offset + s.numel] = (torch.rand(s.numel, generator=g) > 0.5).float()
-    return Message("p0", 2, 0, "hash", specs, flat, {"mu": 1.0})
+    return Payload("p0", 2, 0, "hash", specs, flat, {"mu": 1.0})
 
 
 def _expect(specs=SPECS, fmt: WireFormat | None = None) -> Expectation:
     return Expectation(specs, 2, 0, "hash", frozenset({"p0"}), frozenset({"mu"}), wire=fmt or WireFormat())
 
 
-def _roundtrip(msg: Message, exp: Expectation, chunk: int = 16) -> tuple[Message, int]:
+def _roundtrip(msg: Payload, exp: Expectation, chunk: int = 16) -> tuple[Payload, int]:
     payload = encode_frames(msg, chunk)
     dec = Decoder(exp)
     for f in payload:
@@ -105,7 +105,7 @@ def test_topk_reference_is_checkpointed(tmp_path: Path) -> None:
     assert torch.equal(back.extra[TOPK_REF], state.extra[TOPK_REF])
 
 
-def _frames(msg: Message, data: bytes, **header_fields) -> list[bytes]:
+def _frames(msg: Payload, data: bytes, **header_fields) -> list[bytes]:
     """Frames of ``msg``'s header with raw tensor bytes ``data`` (and a correct CRC over them)."""
     header = codec._header(msg, len(data), 0)
     crc = codec.crc32_combine(codec.scalars_crc(dict(header.scalars)), zlib.crc32(data), len(data))

@@ -11,9 +11,9 @@ import torch
 from p2pfl.algorithms.base import PeerState
 from p2pfl.algorithms.combine import mix_into, mix_scalar
 from p2pfl.checkpoint import load_checkpoint, save_checkpoint
-from p2pfl.messages import Message
 from p2pfl.models import build_model, split_parameter_names
 from p2pfl.models.layout import ParamLayout
+from p2pfl.payload import Payload
 from p2pfl.topology import generate
 from p2pfl.transport.base import TransportError
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
@@ -39,8 +39,8 @@ def test_layout_orders_shared_then_personal_and_binds_views() -> None:
     assert set(layout.views(flat, "personal")) == set(layout.personal_names)
 
 
-def _msg(sender: str, r: int, value: float, n: int = 5, mu: float = 1.0) -> Message:
-    return Message(sender, r, 0, "h", (), torch.full((n,), value), {"mu": mu})
+def _msg(sender: str, r: int, value: float, n: int = 5, mu: float = 1.0) -> Payload:
+    return Payload(sender, r, 0, "h", (), torch.full((n,), value), {"mu": mu})
 
 
 def test_mixing_matches_matrix_and_renormalizes_missing() -> None:
@@ -67,7 +67,7 @@ def test_mix_into_gives_the_same_bits_into_own_apart_or_overlapping() -> None:
     topo = generate("ring", 4)
     plan = topo.plan("p0", 0)
     g = torch.Generator().manual_seed(3)
-    received = {j: Message(j, 0, 0, "h", (), torch.randn(64, generator=g)) for j in plan.in_weights}
+    received = {j: Payload(j, 0, 0, "h", (), torch.randn(64, generator=g)) for j in plan.in_weights}
     own = torch.randn(64, generator=g)
     total = plan.self_weight + sum(plan.in_weights.values())
     ref = own * (plan.self_weight / total)

@@ -193,10 +193,10 @@ def test_a_rank_that_dies_ends_the_run(tmp_path: Path, monkeypatch: pytest.Monke
 def test_the_bytes_between_ranks_carry_payload_frames_records_and_errors() -> None:
     import torch
 
-    from p2pfl.messages import Message
+    from p2pfl.payload import Payload
 
     buf = bytearray()
-    msg = Message("p7", 3, 1, "h", (), torch.zeros(2), {})
+    msg = Payload("p7", 3, 1, "h", (), torch.zeros(2), {})
     _pack_payload(buf, msg, 123, 2, (b"header", b"", b"\x00data"))
     _pack(buf, b"R", b'{"round": 0}\n')
     _pack(buf, b"E", "peer p1 failed: é".encode())

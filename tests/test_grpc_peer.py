@@ -13,7 +13,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from p2pfl.messages import Message
+from p2pfl.payload import Payload
 from p2pfl.proto import peer_pb2, peer_pb2_grpc
 from p2pfl.topology import Topology, parse_topology
 from p2pfl.transport.base import ExchangeResult, TransportError
@@ -38,14 +38,14 @@ from tests.swarm import (
 __all__ = ["certs"]  # the module-scoped certificate fixture (tests/swarm.py)
 
 
-def assert_same(a: Message, b: Message) -> None:
+def assert_same(a: Payload, b: Payload) -> None:
     assert (a.sender, a.round, a.step, a.topology_hash, a.manifest, a.scalars) == (
         b.sender, b.round, b.step, b.topology_hash, b.manifest, b.scalars)
     assert torch.equal(a.flat.view(torch.int32), b.flat.view(torch.int32))
 
 
 def memory_exchange_all(mem: dict[str, MemoryTransport], topo: Topology,
-                        msgs: dict[str, Message]) -> dict[str, ExchangeResult]:
+                        msgs: dict[str, Payload]) -> dict[str, ExchangeResult]:
     out: dict[str, ExchangeResult] = {}
 
     def run(p: str) -> None:

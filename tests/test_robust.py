@@ -17,7 +17,7 @@ from p2pfl.algorithms.combine import mix_into, mix_rows
 from p2pfl.algorithms.robust import MixingRule, robust_mix
 from p2pfl.config import load_config
 from p2pfl.faults import ByzantineFault, tamper
-from p2pfl.messages import Message
+from p2pfl.payload import Payload
 from p2pfl.simulation import simulate
 from p2pfl.topology import MixingPlan
 from tests.conftest import tiny_config
@@ -92,14 +92,14 @@ def test_mix_into_and_the_batched_rows_use_the_same_rule() -> None:
             nbrs = {ids[j]: float(weights[i, j]) for j in range(4) if j != i and weights[i, j] > 0}
             plan = MixingPlan(peer=pid, round=0, step=0, mode="pull", self_weight=float(weights[i, i]),
                               in_weights=nbrs, out_weights=nbrs)
-            received = {j: Message(j, 0, 0, "h", (), x[ids.index(j)]) for j in nbrs}
+            received = {j: Payload(j, 0, 0, "h", (), x[ids.index(j)]) for j in nbrs}
             out = torch.empty(33)
             mix_into(out, x[i], plan, received, rule=rule)
             assert torch.equal(out, rows[i]), (robust, pid)
 
 
 def test_faults_are_deterministic_and_leave_scalars_alone() -> None:
-    msg = Message("p1", 3, 0, "h", (), torch.ones(8), {"mu": 1.0})
+    msg = Payload("p1", 3, 0, "h", (), torch.ones(8), {"mu": 1.0})
     assert torch.equal(tamper(msg, ByzantineFault("p1", "sign_flip", 2.0), 0).flat, torch.full((8,), -2.0))
     assert torch.equal(tamper(msg, ByzantineFault("p1", "scaled", 10.0), 0).flat, torch.full((8,), 10.0))
     a = tamper(msg, ByzantineFault("p1", "noise", 1.0), 7)

@@ -24,8 +24,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from p2pfl.config import NetworkConfig
-from p2pfl.messages import Message
 from p2pfl.models.layout import TensorSpec
+from p2pfl.payload import Payload
 from p2pfl.proto import peer_pb2, peer_pb2_grpc
 from p2pfl.security import TLSConfig, caller_peer_id, make_certs
 from p2pfl.topology import Topology, parse_topology
@@ -86,9 +86,9 @@ def _no_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
 BIG = (TensorSpec("body.w", (1024, 1024), 0, 1 << 20),)  # 4 MiB: far more than a stream's flow-control window
 
 
-def _big(topo: Topology, peer: str, r: int) -> Message:
+def _big(topo: Topology, peer: str, r: int) -> Payload:
     g = torch.Generator().manual_seed(zlib.crc32(f"{peer}/{r}".encode()))
-    return Message(peer, r, 0, topo.hash(), BIG, torch.randn(1 << 20, generator=g), {"weight": 0.25})
+    return Payload(peer, r, 0, topo.hash(), BIG, torch.randn(1 << 20, generator=g), {"weight": 0.25})
 
 
 @pytest.mark.timeout(120)

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from p2pfl.messages import Message
 from p2pfl.modelpool import ModelPool
+from p2pfl.payload import Payload
 from p2pfl.transport import memory
 from p2pfl.transport.memory import MemoryHub
 
@@ -97,7 +97,7 @@ def test_memory_hub_wakes_only_the_readers_of_a_key(monkeypatch: pytest.MonkeyPa
     _CountingEvent.sets = 0
     hub = MemoryHub()
     n = 24
-    got: dict[int, dict[str, Message]] = {}
+    got: dict[int, dict[str, Payload]] = {}
 
     def reader(i: int) -> None:  # reader i waits for sender s{i} and s{i+1}
         keys = [(f"s{i}", 0, 0), (f"s{(i + 1) % n}", 0, 0)]
@@ -109,7 +109,7 @@ def test_memory_hub_wakes_only_the_readers_of_a_key(monkeypatch: pytest.MonkeyPa
     _wait_until(lambda: len(hub._waiters) == n)
     _CountingEvent.sets = 0  # (starting the threads set their own events)
     for i in range(n):
-        hub.put(Message(f"s{i}", 0, 0, "h", (), torch.full((3,), float(i)), {}), 2)
+        hub.put(Payload(f"s{i}", 0, 0, "h", (), torch.full((3,), float(i)), {}), 2)
     for t in threads:
         t.join(10)
     assert all(sorted(got[i]) == sorted({f"s{i}", f"s{(i + 1) % n}"}) for i in range(n))
@@ -408,8 +408,8 @@ def test_dead_timers_of_waits_that_never_expire_are_dropped_once_they_outnumber_
     assert max(sizes) <= 2 * 66 and turns._live_timers == 0
 
 
-def _msg(sender: str, r: int) -> Message:
-    return Message(sender, r, 0, "h", (), torch.full((3,), float(r)), {})
+def _msg(sender: str, r: int) -> Payload:
+    return Payload(sender, r, 0, "h", (), torch.full((3,), float(r)), {})
 
 
 @pytest.mark.timeout(120)
@@ -423,7 +423,7 @@ def test_gated_readers_run_once_their_messages_are_in_also_from_a_bridge_thread(
 
     hub, turns, n, rounds = MemoryHub(), Turns(), 12, 6
     got: dict[tuple[int, int], set[str]] = {}
-    bridged: list[Message] = []
+    bridged: list[Payload] = []
     lock = threading.Lock()
     rng = random.Random(7)
 
@@ -562,8 +562,8 @@ def test_a_nan_payload_is_checked_once_when_stored_and_refused_to_every_reader(c
     real = memory._finite
     hub = MemoryHub()
     topo = generate("ring", 3)
-    bad = Message("p1", 0, 0, "h", (), torch.tensor([1.0, float("nan")]), {})
-    good = Message("p2", 0, 0, "h", (), torch.tensor([2.0, 3.0]), {})
+    bad = Payload("p1", 0, 0, "h", (), torch.tensor([1.0, float("nan")]), {})
+    good = Payload("p2", 0, 0, "h", (), torch.tensor([2.0, 3.0]), {})
     try:
         memory._finite = lambda m: (checks.append(m.sender), real(m))[1]
         hub.put(bad, 2)
@@ -572,7 +572,7 @@ def test_a_nan_payload_is_checked_once_when_stored_and_refused_to_every_reader(c
         got = hub.take([("p1", 0, 0), ("p2", 0, 0)], time.monotonic() + 5, None, rejected)
         assert list(got) == ["p2"] and rejected == {"p1"}
         with caplog.at_level("WARNING", logger="p2pfl.transport.memory"):
-            res = MemoryTransport(hub, "p0").exchange(Message("p0", 0, 0, "h", (), torch.zeros(2), {}),
+            res = MemoryTransport(hub, "p0").exchange(Payload("p0", 0, 0, "h", (), torch.zeros(2), {}),
                                                       topo.plan("p0", 0, 0, seed=0, mode="pull"), 5.0)
     finally:
         memory._finite = real

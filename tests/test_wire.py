@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from p2pfl.messages import Message
 from p2pfl.models.layout import TensorSpec
+from p2pfl.payload import Payload
 from p2pfl.proto import peer_pb2
 from p2pfl.wire import (
     Decoder,
@@ -47,12 +47,12 @@ NUMEL = sum(s.numel for s in SPECS)
 
 
 def make_msg(specs: tuple[TensorSpec, ...] = SPECS, *, sender: str = "p1", round: int = 2, step: int = 1,
-             scalars: dict[str, float] | None = None, seed: int = 0) -> Message:
+             scalars: dict[str, float] | None = None, seed: int = 0) -> Payload:
     g = torch.Generator().manual_seed(seed)
     flat = torch.randn(sum(s.numel for s in specs), generator=g)
     if flat.numel() >= 4:  # values whose bits a lossy path would change
         flat[:4] = torch.tensor([-0.0, 1e-45, 3.4028235e38, -1.1754944e-38])
-    return Message(sender, round, step, HASH, specs, flat, {"weight": 0.25} if scalars is None else scalars)
+    return Payload(sender, round, step, HASH, specs, flat, {"weight": 0.25} if scalars is None else scalars)
 
 
 def expect(specs: tuple[TensorSpec, ...] = SPECS, *, senders: tuple[str, ...] = ("p1", "p2"), round: int = 2,
@@ -62,7 +62,7 @@ def expect(specs: tuple[TensorSpec, ...] = SPECS, *, senders: tuple[str, ...] = 
                        senders=frozenset(senders), scalar_keys=frozenset(scalar_keys), max_bytes=max_bytes)
 
 
-def assert_same(a: Message, b: Message) -> None:
+def assert_same(a: Payload, b: Payload) -> None:
     assert (a.sender, a.round, a.step, a.topology_hash) == (b.sender, b.round, b.step, b.topology_hash)
     assert a.manifest == b.manifest
     assert a.scalars == b.scalars
@@ -118,16 +118,16 @@ def test_round_trip_various_shapes_and_no_scalars() -> None:
 
 def test_encode_takes_non_contiguous_and_refuses_bad_messages() -> None:
     base = torch.arange(2 * NUMEL, dtype=torch.float32)
-    msg = Message("p1", 2, 1, HASH, SPECS, base[::2], {"weight": 1.0})  # strided view
+    msg = Payload("p1", 2, 1, HASH, SPECS, base[::2], {"weight": 1.0})  # strided view
     got = decode(encode(msg), expect())
     assert torch.equal(got.flat, base[::2])
     with pytest.raises(ValueError, match="float32"):
-        encode(Message("p1", 2, 1, HASH, SPECS, torch.zeros(NUMEL, dtype=torch.float64), {}))
+        encode(Payload("p1", 2, 1, HASH, SPECS, torch.zeros(NUMEL, dtype=torch.float64), {}))
     gap = (TensorSpec("a", (2,), 0, 2), TensorSpec("b", (2,), 3, 2))
     with pytest.raises(ValueError, match="back to back"):
-        encode(Message("p1", 2, 1, HASH, gap, torch.zeros(5), {}))
+        encode(Payload("p1", 2, 1, HASH, gap, torch.zeros(5), {}))
     with pytest.raises(ValueError, match="covers"):
-        encode(Message("p1", 2, 1, HASH, SPECS, torch.zeros(NUMEL + 1), {}))
+        encode(Payload("p1", 2, 1, HASH, SPECS, torch.zeros(NUMEL + 1), {}))
 
 
 def test_parse_frame_falls_back_to_protobuf() -> None:

@@ -17,8 +17,8 @@ import torch
 from p2pfl.algorithms.hyperparameters import HyperparameterError, typed_hyperparameters
 from p2pfl.algorithms.local_sgd import TrainContext
 from p2pfl.algorithms.robust import MixingRule
-from p2pfl.messages import Message
 from p2pfl.models.layout import ParamLayout, TensorSpec
+from p2pfl.payload import Payload
 from p2pfl.topology import MixingPlan
 
 __all__ = ["Algorithm", "HyperparameterError", "PeerState", "TrainContext", "finite_or_raise"]
@@ -112,8 +112,8 @@ class Algorithm(ABC):
         n = self.layout.num_shared if self.shares == "shared" else self.layout.numel
         return state.params[..., :n], {}
 
-    def combine(self, state: PeerState, round: int, step: int, own: Message,
-                received: dict[str, Message], plan: MixingPlan) -> None:
+    def combine(self, state: PeerState, round: int, step: int, own: Payload,
+                received: dict[str, Payload], plan: MixingPlan) -> None:
         """Replace the sent part by the plan-weighted mix of ``own`` and what arrived."""
         from p2pfl.algorithms.combine import mix_into
 

@@ -11,7 +11,7 @@ import logging
 import torch
 
 from p2pfl.algorithms.robust import MixingRule, robust_mix, robust_rows
-from p2pfl.messages import Message
+from p2pfl.payload import Payload
 from p2pfl.topology import MixingPlan
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def mix_weights(plan: MixingPlan, arrived: set[str] | dict, renormalize: bool) -
     return self_w, weights
 
 
-def mix_into(out: torch.Tensor, own: torch.Tensor, plan: MixingPlan, received: dict[str, Message],
+def mix_into(out: torch.Tensor, own: torch.Tensor, plan: MixingPlan, received: dict[str, Payload],
              renormalize: bool = True, rule: MixingRule | None = None) -> None:
     """``out <- w_self * own + sum_j w_j * received[j]``, over flat buffers (``out`` may alias ``own``).
 
@@ -73,7 +73,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def mix_scalar(own: float, plan: MixingPlan, received: dict[str, Message], key: str,
+def mix_scalar(own: float, plan: MixingPlan, received: dict[str, Payload], key: str,
                renormalize: bool = True) -> float:
     """Mix a scalar carried in the messages (e.g. the push-sum weight) with the plan's weights."""
     self_w, weights = mix_weights(plan, received, renormalize)

@@ -15,7 +15,7 @@ import torch
 from p2pfl.algorithms.alternating import Phase, alternating_update, check_alternating
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
 from p2pfl.algorithms.combine import mix_into, mix_rows, mix_scalar, row_normalized
-from p2pfl.messages import Message
+from p2pfl.payload import Payload
 from p2pfl.topology import MixingPlan
 
 MU = "mu"  # the push-sum weight: in state.scalars and as a message scalar
@@ -106,8 +106,8 @@ class DFedPGP(Algorithm):
         mu = float(mu)
         return (z if mu == 1.0 else z * mu), {MU: mu}
 
-    def combine(self, state: PeerState, round: int, step: int, own: Message,
-                received: dict[str, Message], plan: MixingPlan) -> None:
+    def combine(self, state: PeerState, round: int, step: int, own: Payload,
+                received: dict[str, Payload], plan: MixingPlan) -> None:
         """Mix numerators and mu with the same coefficients, then de-bias: z = u / mu."""
         pull = self.mode == "pull"
         for j, m in received.items():

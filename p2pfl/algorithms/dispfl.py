@@ -83,8 +83,8 @@ import torch
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
 from p2pfl.algorithms.combine import mix_weights
 from p2pfl.algorithms.local_sgd import Phase
-from p2pfl.messages import Message
 from p2pfl.models.layout import ParamLayout, TensorSpec
+from p2pfl.payload import Payload
 from p2pfl.topology import MixingPlan
 
 log = logging.getLogger(__name__)
@@ -348,8 +348,8 @@ class DisPFL(Algorithm):
         full[..., sel] = (flat[..., n:] > 0.5).to(flat.dtype)
         return full
 
-    def combine(self, state: PeerState, round: int, step: int, own: Message,
-                received: dict[str, Message], plan: MixingPlan) -> None:
+    def combine(self, state: PeerState, round: int, step: int, own: Payload,
+                received: dict[str, Payload], plan: MixingPlan) -> None:
         """Per coordinate: plan-weighted mean over the holders (self included); own mask decides."""
         n = self.layout.numel
         missing = [j for j in plan.in_weights if j not in received]

@@ -36,7 +36,7 @@ from p2pfl.config import ExperimentConfig
 from p2pfl.data.loader import PeerData
 from p2pfl.engine.context import BatchedContext
 from p2pfl.experiment import Experiment
-from p2pfl.messages import Message
+from p2pfl.payload import Payload
 from p2pfl.resume import drop_generations, keep_generations, prepare_resume
 from p2pfl.runfolder import RunFolder
 from p2pfl.wire.codec import wire_size
@@ -244,7 +244,7 @@ class BatchedSimulation:
         """Each peer's payload size as the gRPC codec would put it on the wire (what the exact engine counts)."""
         specs = self.algorithm.wire_specs()
         values = {k: v.tolist() for k, v in scalars.items()}
-        return [wire_size(Message(pid, r, step, self.topology_hash, specs, own[i],
+        return [wire_size(Payload(pid, r, step, self.topology_hash, specs, own[i],
                                   {k: float(v[i]) for k, v in values.items()}), self.chunk_bytes)
                 for i, pid in enumerate(self.ids)]
 

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from p2pfl.messages import Message
+from p2pfl.payload import Payload
 from p2pfl.topology import MixingPlan
 from p2pfl.wire.compress import WireFormat
 
@@ -25,7 +25,7 @@ class ExchangeResult:
     double count after a restart; the node adds it to its mu. ``withheld``: in-neighbours that kept
     their whole share this step on purpose (not missing)."""
 
-    received: dict[str, Message]
+    received: dict[str, Payload]
     missing: list[str] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_recv: int = 0
@@ -56,10 +56,10 @@ class Transport(ABC):
             self.chunk_bytes = int(chunk_bytes)
 
     @abstractmethod
-    def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
+    def exchange(self, message: Payload, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
         """Deliver ``message`` per ``plan`` and collect the in-neighbours' messages for the same (round, step)."""
 
-    def exchange_latest(self, message: Message, plan: MixingPlan, max_staleness: int,
+    def exchange_latest(self, message: Payload, plan: MixingPlan, max_staleness: int,
                         wait_s: float) -> ExchangeResult:
         """Asynchronous gossip: publish ``message`` and return the freshest payload held from each
         in-neighbour (any round >= ``message.round - max_staleness``), without a round barrier."""

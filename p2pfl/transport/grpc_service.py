@@ -27,8 +27,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from p2pfl.messages import Message
 from p2pfl.models.layout import TensorSpec
+from p2pfl.payload import Payload
 from p2pfl.security.certs import TLSConfig
 from p2pfl.topology import Topology
 from p2pfl.topology.schedule import check_mode
@@ -281,7 +281,7 @@ class PeerServer:
         a peer restarted after its last round says so from its first answer on)."""
         return self.publications.told_finished(peer)
 
-    def publish(self, msg: Message, payload: EncodedPayload | None = None) -> EncodedPayload:
+    def publish(self, msg: Payload, payload: EncodedPayload | None = None) -> EncodedPayload:
         """Encode ``msg`` once (or take its ``payload``, already encoded) and serve it to every puller
         of (msg.round, msg.step).
 
@@ -322,12 +322,12 @@ class PeerServer:
     # ---- push mode: the inbox and the payloads given (`Inbox`, `GivenPayloads`) ---------------------
 
     @property
-    def inbox(self) -> dict[Key, Message]:
+    def inbox(self) -> dict[Key, Payload]:
         """A snapshot of undelivered pushes, keyed by (sender, round, step)."""
         return self.pushes.snapshot()
 
     def take(self, keys: Sequence[Key], deadline: float,
-             wait_for: Iterable[str] | None = None) -> dict[str, tuple[Message, int]]:
+             wait_for: Iterable[str] | None = None) -> dict[str, tuple[Payload, int]]:
         """Wait until every (sender, round, step) in ``keys`` was pushed or ``deadline`` (monotonic) passes.
 
         Returns ``{sender: (message, wire_bytes)}`` for those that arrived, removing them from the inbox
@@ -338,7 +338,7 @@ class PeerServer:
         """
         return self.pushes.take(keys, deadline, wait_for)
 
-    def deliver(self, key: Key, msg: Message, nbytes: int) -> None:
+    def deliver(self, key: Key, msg: Payload, nbytes: int) -> None:
         """Put a recovered push in the inbox, to be mixed by `take` like any other."""
         self.pushes.deliver(key, msg, nbytes)
 

@@ -5,7 +5,7 @@ of the plan in parallel (one long-lived channel per neighbour, each call bounded
 deadline and ``wait_for_ready`` so a neighbour that starts late is waited for). Push mode: push the
 payload to every out-neighbour in parallel and wait on the own inbox. A neighbour that fails —
 unreachable, too late, rejected by validation — lands in ``missing`` with its reason logged; one bad
-neighbour never raises. What arrives is the same `Message` the sender built, bitwise.
+neighbour never raises. What arrives is the same `Payload` the sender built, bitwise.
 
 Byte accounting (docs/protocol.md, "Bytes"), the simulation's: ``bytes_recv`` is the wire bytes
 this exchange read (including payloads that were then rejected); ``bytes_sent`` in pull mode is
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from p2pfl.config import NetworkConfig
-from p2pfl.messages import Message
 from p2pfl.models.layout import TensorSpec
+from p2pfl.payload import Payload
 from p2pfl.proto import peer_pb2
 from p2pfl.security.certs import TLSConfig
 from p2pfl.topology import MixingPlan, Topology
@@ -124,7 +124,7 @@ class GrpcTransport(Transport):
         """Ask ``peer`` for its Status, naming this peer (raises grpc.RpcError when unreachable)."""
         return self.liveness.status(peer, timeout_s, wait_for_ready)
 
-    def pull(self, peer: str, round: int, step: int, deadline_s: float) -> tuple[Message, int]:
+    def pull(self, peer: str, round: int, step: int, deadline_s: float) -> tuple[Payload, int]:
         """Pull ``peer``'s payload for (round, step) alone: (message, wire bytes); `TransportError` with the reason.
 
         The same path `exchange` takes for each in-neighbour (validation included), for tools,
@@ -146,7 +146,7 @@ class GrpcTransport(Transport):
 
     can_withhold = True
 
-    def exchange(self, message: Message, plan: MixingPlan, deadline_s: float,
+    def exchange(self, message: Payload, plan: MixingPlan, deadline_s: float,
                  withhold: bool = False) -> ExchangeResult:
         """Publish/push ``message`` per ``plan``; collect the in-neighbours' payloads until ``deadline_s``.
 
@@ -163,7 +163,7 @@ class GrpcTransport(Transport):
         self._last_published = ((message.round, message.step), frozenset(plan.out_weights))
         return self.puller.exchange(message, plan, deadline, payload.wire_bytes)
 
-    def exchange_latest(self, message: Message, plan: MixingPlan, max_staleness: int,
+    def exchange_latest(self, message: Payload, plan: MixingPlan, max_staleness: int,
                         wait_s: float) -> ExchangeResult:
         """Publish ``message``; return the freshest payload of each in-neighbour, no round barrier.
 
@@ -181,7 +181,7 @@ class GrpcTransport(Transport):
         res.bytes_sent = self._take_sent()
         return res
 
-    def _check(self, message: Message, plan: MixingPlan) -> None:
+    def _check(self, message: Payload, plan: MixingPlan) -> None:
         if self._closed:
             raise RuntimeError(f"transport of {self.peer_id!r} is closed")
         if message.sender != self.peer_id or plan.peer != self.peer_id:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import grpc
 
-from p2pfl.messages import Message
+from p2pfl.payload import Payload
 from p2pfl.transport.progress import RoundEvidence
 from p2pfl.transport.publication import PublicationWindow
 from p2pfl.transport.pushsum import Key, ReceiverLedger
@@ -47,7 +47,7 @@ class Inbox:
         self._window = window
         self._ledger = ledger
         self._progress = progress
-        self._entries: dict[Key, tuple[Message, int]] = {}
+        self._entries: dict[Key, tuple[Payload, int]] = {}
         # The Push call that offers each inbox entry: it is consumed only while that call can still
         # hear the answer, so sender and receiver always agree on whether the mass moved.
         self._offers: dict[Key, grpc.ServicerContext] = {}
@@ -58,16 +58,16 @@ class Inbox:
 
     # ---- what the node / transport drives ---------------------------------------------------------
 
-    def snapshot(self) -> dict[Key, Message]:
+    def snapshot(self) -> dict[Key, Payload]:
         """Undelivered pushes, keyed by (sender, round, step)."""
         with self._cond:
             return {k: v[0] for k, v in self._entries.items()}
 
     def take(self, keys: Sequence[Key], deadline: float,
-             wait_for: Iterable[str] | None = None) -> dict[str, tuple[Message, int]]:
+             wait_for: Iterable[str] | None = None) -> dict[str, tuple[Payload, int]]:
         """Wait for ``keys`` until ``deadline`` (monotonic); mix those that came, close the rest (`PeerServer.take`)."""
         waited = {k for k in keys if wait_for is None or k[0] in set(wait_for)}
-        out: dict[str, tuple[Message, int]] = {}
+        out: dict[str, tuple[Payload, int]] = {}
         with self._cond:
             while True:
                 for key in keys:
@@ -89,7 +89,7 @@ class Inbox:
             self._cond.notify_all()
             return out
 
-    def deliver(self, key: Key, msg: Message, nbytes: int) -> None:
+    def deliver(self, key: Key, msg: Payload, nbytes: int) -> None:
         """Put a recovered push in the inbox, to be mixed by `take` like any other."""
         with self._cond:
             if key not in self._decided and key not in self._entries:
@@ -140,7 +140,7 @@ class Inbox:
             pending = sum(1 for k in self._entries if k[0] == caller)
         return why, dup, pending
 
-    def offer(self, key: Key, msg: Message, nbytes: int,
+    def offer(self, key: Key, msg: Payload, nbytes: int,
               context: grpc.ServicerContext, claim: float | None = None) -> bool | Rejected:
         """Put a validated push in the inbox and wait for its fate; True: mixed (now or before).
 
@@ -238,7 +238,7 @@ class Inbox:
 
     # ---- internals (lock held) --------------------------------------------------------------------
 
-    def _absorb(self, key: Key, msg: Message) -> None:
+    def _absorb(self, key: Key, msg: Payload) -> None:
         """Ledger of a push being mixed: its share is the weight ``combine`` is about to apply,
         W[i, j] * mu_j (`ReceiverLedger.absorb` settles the sender's claim first)."""
         cfg = self._config

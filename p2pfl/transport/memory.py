@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from p2pfl.messages import Message
+from p2pfl.payload import Payload
 from p2pfl.topology import MixingPlan
 from p2pfl.transport.base import ExchangeResult, Transport, TransportError
 from p2pfl.wire.codec import wire_size
@@ -59,17 +59,17 @@ class MemoryHub:
     """
 
     def __init__(self, local_peers: set[str] | None = None,
-                 forward: Callable[[Message, list[str], int], None] | None = None) -> None:
+                 forward: Callable[[Payload, list[str], int], None] | None = None) -> None:
         self.local_peers = local_peers  # None: every peer is local (one process)
         self.forward = forward
         self._lock = threading.Lock()
         # key -> (message, local reads left, its wire size, whether its values are all finite):
         # both computed once per board, when stored (the payload is then still in the cache)
-        self._board: dict[tuple[str, int, int], tuple[Message | None, int, int, bool]] = {}
+        self._board: dict[tuple[str, int, int], tuple[Payload | None, int, int, bool]] = {}
         self._waiters: dict[tuple[str, int, int], list[_Reader]] = {}
         self._aborted: str | None = None
 
-    def publish(self, message: Message, readers: list[str], size: int | None = None) -> None:
+    def publish(self, message: Payload, readers: list[str], size: int | None = None) -> None:
         """Offer ``message`` to ``readers`` (peer ids); remote readers get it through ``forward``.
 
         ``size``: the message's wire size if the caller has it (`take` hands it to the readers).
@@ -83,7 +83,7 @@ class MemoryHub:
             readers = [p for p in readers if p in self.local_peers]
         self.put(message, len(readers), size)
 
-    def put(self, message: Message, count: int, size: int | None = None) -> None:
+    def put(self, message: Payload, count: int, size: int | None = None) -> None:
         """Store ``message`` for ``count`` local reads (``size``: its wire size, computed here if not given)."""
         if count <= 0:
             return
@@ -97,7 +97,7 @@ class MemoryHub:
         if count > 0:
             self._store((sender, round, step), None, count, size, False)
 
-    def _store(self, key: tuple[str, int, int], message: Message | None, count: int, size: int, ok: bool) -> None:
+    def _store(self, key: tuple[str, int, int], message: Payload | None, count: int, size: int, ok: bool) -> None:
         ready = []
         with self._lock:
             self._board[key] = (message, count, size, ok)
@@ -112,7 +112,7 @@ class MemoryHub:
             reader.wake()
 
     def take(self, keys: list[tuple[str, int, int]], deadline: float,
-             sizes: dict[str, int] | None = None, rejected: set[str] | None = None) -> dict[str, Message]:
+             sizes: dict[str, int] | None = None, rejected: set[str] | None = None) -> dict[str, Payload]:
         """Wait for ``keys`` until ``deadline`` (monotonic); return those present.
 
         ``sizes``, if given, receives each returned message's wire size (by sender), so readers do
@@ -120,7 +120,7 @@ class MemoryHub:
         with NaN or Inf values is not returned: its sender goes into ``rejected`` (if given), as
         the gRPC receiver refuses such a payload.
         """
-        out: dict[str, Message] = {}
+        out: dict[str, Payload] = {}
         rejected = set() if rejected is None else rejected
         event = threading.Event()
         reader = _Reader(event.set)
@@ -134,7 +134,7 @@ class MemoryHub:
             event.wait(timeout=min(remaining, 1.0))
 
     def take_gated(self, keys: list[tuple[str, int, int]], deadline: float, sizes: dict[str, int] | None,
-                   gate: Turns, priority: tuple, rejected: set[str] | None = None) -> dict[str, Message]:
+                   gate: Turns, priority: tuple, rejected: set[str] | None = None) -> dict[str, Payload]:
         """`take` for a peer whose turn it is in its worker (``gate``): the others run while it
         waits, and it returns (or raises) in its turn again.
 
@@ -142,7 +142,7 @@ class MemoryHub:
         worker, or the exchange step with other ranks) admits it to the line with ``priority``, and it runs on its
         turn. (Woken by its messages, it would only have gone back to waiting for its turn.)
         """
-        out: dict[str, Message] = {}
+        out: dict[str, Payload] = {}
         rejected = set() if rejected is None else rejected
         ticket = gate.ticket()
         reader = _Reader(wake=lambda: gate.admit(priority, ticket))
@@ -162,7 +162,7 @@ class MemoryHub:
             if coming:
                 gate.wait(ticket)  # take that admission now: a later one would wake a later wait
 
-    def _collect(self, keys: list[tuple[str, int, int]], deadline: float, out: dict[str, Message],
+    def _collect(self, keys: list[tuple[str, int, int]], deadline: float, out: dict[str, Payload],
                  sizes: dict[str, int] | None, reader: _Reader, registered: list[tuple[str, int, int]],
                  rejected: set[str]) -> float | None:
         """Move the stored ``keys`` into ``out``; register ``reader`` for the missing ones.
@@ -251,7 +251,7 @@ class MemoryTransport(Transport):
         else:
             self.gate.pause(seconds, (-1, self.rank))
 
-    def exchange(self, message: Message, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
+    def exchange(self, message: Payload, plan: MixingPlan, deadline_s: float) -> ExchangeResult:
         # Exactly the bytes gRPC would carry: the codec's own size of this message (headers included).
         size = wire_size(message, self.chunk_bytes)
         readers = list(plan.out_weights)
@@ -273,7 +273,7 @@ class MemoryTransport(Transport):
         return ExchangeResult(received=got, missing=missing, bytes_sent=size * len(readers), bytes_recv=recv)
 
 
-def _finite(msg: Message) -> bool:
+def _finite(msg: Payload) -> bool:
     from p2pfl.wire.validate import all_finite
 
     return all(math.isfinite(v) for v in msg.scalars.values()) and all_finite(msg.flat.detach().cpu().numpy())

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import grpc
 
-from p2pfl.messages import Message
+from p2pfl.payload import Payload
 from p2pfl.transport.rpc import Rejected
 from p2pfl.transport.service_config import ServiceConfig
 from p2pfl.wire.codec import EncodedPayload, encode_frames
@@ -117,7 +117,7 @@ class PublicationWindow:
 
     # ---- the payloads ----------------------------------------------------------------------------
 
-    def publish(self, msg: Message, payload: EncodedPayload | None = None) -> EncodedPayload:
+    def publish(self, msg: Payload, payload: EncodedPayload | None = None) -> EncodedPayload:
         """Encode ``msg`` once (or take its ``payload``) and serve it for (msg.round, msg.step) (`PeerServer.publish`)."""
         cfg = self._config
         if msg.sender != cfg.peer_id:

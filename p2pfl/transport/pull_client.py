@@ -15,8 +15,8 @@ from concurrent import futures
 
 import grpc
 
-from p2pfl.messages import Message
 from p2pfl.models.layout import TensorSpec
+from p2pfl.payload import Payload
 from p2pfl.proto import peer_pb2
 from p2pfl.topology import MixingPlan
 from p2pfl.transport.base import ExchangeResult
@@ -34,7 +34,7 @@ __all__ = ["PullClient", "PullResult"]
 log = TRANSPORT_LOG
 
 #: One pull's outcome: the message (None on failure), the wire bytes read, and why it failed ("" if not).
-PullResult = tuple[Message | None, int, str]
+PullResult = tuple[Payload | None, int, str]
 
 
 class PullClient:
@@ -53,7 +53,7 @@ class PullClient:
         self._channels = channels
         self._liveness = liveness
         self._pool = pool
-        self._latest: dict[tuple[str, int], Message] = {}  # async: freshest payload held per (peer, step)
+        self._latest: dict[tuple[str, int], Payload] = {}  # async: freshest payload held per (peer, step)
 
     def pull_one(self, peer: str, round: int, step: int, deadline: float, evidence: bool = False) -> PullResult:
         """Pull (round, step) from ``peer``: (message or None, wire bytes read, reason when None).
@@ -119,11 +119,11 @@ class PullClient:
             job.cancel()
             return None, 0, "the pull did not finish by the deadline"
 
-    def exchange(self, message: Message, plan: MixingPlan, deadline: float, wire_bytes: int) -> ExchangeResult:
+    def exchange(self, message: Payload, plan: MixingPlan, deadline: float, wire_bytes: int) -> ExchangeResult:
         """Pull mode, after ``message`` was published (``wire_bytes`` encoded): pull every in-neighbour of the plan in parallel."""
         senders = list(plan.in_weights)
         jobs = {j: self._pool.submit(self.pull_checked, j, message.round, message.step, deadline) for j in senders}
-        received: dict[str, Message] = {}
+        received: dict[str, Payload] = {}
         missing: list[str] = []
         recv = 0
         for j in senders:
@@ -139,13 +139,13 @@ class PullClient:
         sent = wire_bytes * len(plan.out_weights)
         return ExchangeResult(received=received, missing=missing, bytes_sent=sent, bytes_recv=recv)
 
-    def latest(self, message: Message, plan: MixingPlan, max_staleness: int, wait_s: float) -> ExchangeResult:
+    def latest(self, message: Payload, plan: MixingPlan, max_staleness: int, wait_s: float) -> ExchangeResult:
         """Asynchronous gossip, after ``message`` was published: the freshest payload of each in-neighbour
         (`GrpcTransport.exchange_latest`); ``bytes_sent`` is left to the caller."""
         deadline = time.monotonic() + wait_s
         senders = list(plan.in_weights)
         jobs = {j: self._pool.submit(self._latest_one, j, message.round, message.step, deadline) for j in senders}
-        received: dict[str, Message] = {}
+        received: dict[str, Payload] = {}
         missing: list[str] = []
         recv = 0
         for j in senders:

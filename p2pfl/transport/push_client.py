@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from p2pfl.messages import Message
+from p2pfl.payload import Payload
 from p2pfl.storage import append_line, atomic_write
 from p2pfl.topology import MixingPlan
 from p2pfl.transport.base import ExchangeResult
@@ -97,7 +97,7 @@ class PushClient:
 
     # ---- the exchange ----------------------------------------------------------------------------
 
-    def exchange(self, message: Message, plan: MixingPlan, deadline: float, withhold: bool = False) -> ExchangeResult:
+    def exchange(self, message: Payload, plan: MixingPlan, deadline: float, withhold: bool = False) -> ExchangeResult:
         """Push ``message`` to every out-neighbour of ``plan`` and take the in-neighbours' pushes until
         ``deadline``; the fate of every own push is known before the node mixes. ``bytes_sent`` is
         left to the caller (it counts served and pushed bytes together)."""
@@ -148,7 +148,7 @@ class PushClient:
         return ExchangeResult(received=received, missing=missing, bytes_recv=recv, undelivered=undelivered,
                               mu_settle=settle, withheld=withheld)
 
-    def _settle_given(self, message: Message, plan: MixingPlan, fates: dict[str, PushFate],
+    def _settle_given(self, message: Payload, plan: MixingPlan, fates: dict[str, PushFate],
                       undelivered: list[str], tag: str) -> float:
         """Add this step's delivered shares to the running totals given; return the weight this peer
         gives now to settle what it owes (a receiver absorbed more than this peer's state gave it: a

@@ -37,8 +37,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from p2pfl.messages import Message
 from p2pfl.models.layout import TensorSpec
+from p2pfl.payload import Payload
 from p2pfl.proto import peer_pb2
 from p2pfl.wire.compress import BIT, VALUE_BYTES, pack_bits, unpack_bits
 from p2pfl.wire.crc import crc32, crc32_combine, scalars_crc, wire_pool
@@ -95,7 +95,7 @@ def _varint(n: int) -> bytes:
 # ---- encoding -----------------------------------------------------------------------------------
 
 
-def _check_layout(msg: Message, flat: torch.Tensor) -> None:
+def _check_layout(msg: Payload, flat: torch.Tensor) -> None:
     offset = 0
     for s in msg.manifest:
         numel = math.prod(s.shape)
@@ -109,12 +109,12 @@ def _check_layout(msg: Message, flat: torch.Tensor) -> None:
         raise ValueError(f"manifest covers {offset} elements but flat has {flat.numel()}")
 
 
-def _plain(msg: Message) -> bool:
+def _plain(msg: Payload) -> bool:
     """Whether the tensor bytes are ``flat``'s own memory (float32, nothing packed): the zero-copy path."""
     return (msg.compression or "none") == "none" and all(s.dtype != BIT for s in msg.manifest)
 
 
-def _encoded(msg: Message, arr: np.ndarray) -> np.ndarray:
+def _encoded(msg: Payload, arr: np.ndarray) -> np.ndarray:
     """The tensor bytes of a compressed payload or one with bit tensors (one new buffer)."""
     comp = msg.compression or "none"
     if comp == "topk":
@@ -137,7 +137,7 @@ def _encoded(msg: Message, arr: np.ndarray) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
 
 
-def _header(msg: Message, nbytes: int, crc: int) -> peer_pb2.Header:
+def _header(msg: Payload, nbytes: int, crc: int) -> peer_pb2.Header:
     comp = msg.compression or "none"
     return peer_pb2.Header(
         sender=msg.sender,
@@ -154,7 +154,7 @@ def _header(msg: Message, nbytes: int, crc: int) -> peer_pb2.Header:
     )
 
 
-def _payload_view(msg: Message) -> tuple[peer_pb2.Header, memoryview]:
+def _payload_view(msg: Payload) -> tuple[peer_pb2.Header, memoryview]:
     """The header and a byte view of the encoded tensor bytes (``msg.flat`` itself on CPU when float32)."""
     flat = msg.flat.detach()
     if flat.dtype != torch.float32:
@@ -183,7 +183,7 @@ def _frames_bytes(header: peer_pb2.Header, nbytes: int, chunk_bytes: int) -> int
     return peer_pb2.Chunk(header=header).ByteSize() + sum(1 + len(_varint(n)) + n for n in sizes)
 
 
-def wire_size(msg: Message, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+def wire_size(msg: Payload, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     """Bytes ``encode_frames(msg, chunk_bytes)`` puts on the wire (``EncodedPayload.wire_bytes``), computed
     without encoding: the in-memory simulation accounts its traffic with it. The CRC is a fixed32, so
     its value does not change the size, except 0, which proto3 leaves out (5 bytes, 1 payload in 2**32).
@@ -208,7 +208,7 @@ def _sized(sender_bytes: int, round: int, step: int, topology_hash: str, manifes
     """`wire_size` of a header of this shape (``round``: the representative of its varint length;
     ``sender_bytes``: the sender's length, which a stand-in sender of as many ASCII bytes has)."""
     nbytes = encoded_nbytes(manifest, compression, count)
-    probe = Message("p" * sender_bytes, round, step, topology_hash, manifest, torch.empty(0), dict(scalars), compression,
+    probe = Payload("p" * sender_bytes, round, step, topology_hash, manifest, torch.empty(0), dict(scalars), compression,
                     None if count == 0 else torch.empty(count, dtype=torch.int64))
     return _frames_bytes(_header(probe, nbytes, 0xFFFFFFFF), nbytes, chunk_bytes)
 
@@ -218,7 +218,7 @@ def _check_chunk_bytes(chunk_bytes: int) -> None:
         raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
 
 
-def encode(msg: Message, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[peer_pb2.Chunk]:
+def encode(msg: Payload, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[peer_pb2.Chunk]:
     """``msg`` as Chunk messages: the header, then the tensor bytes in pieces of ``chunk_bytes``."""
     _check_chunk_bytes(chunk_bytes)
     header, view = _payload_view(msg)
@@ -289,7 +289,7 @@ class EncodedPayload:
         return [peer_pb2.Chunk.FromString(f) for f in self]
 
 
-def encode_frames(msg: Message, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> EncodedPayload:
+def encode_frames(msg: Payload, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> EncodedPayload:
     """``msg`` as serialized Chunks, byte-identical to serializing `encode`'s chunks (data frames lazily)."""
     _check_chunk_bytes(chunk_bytes)
     header, view = _payload_view(msg)
@@ -336,7 +336,7 @@ def _check_region(buf: memoryview, values: np.ndarray, start: int, end: int) -> 
 
 
 class Decoder:
-    """Reassemble one payload chunk by chunk, checking as it goes; `finish` yields the Message.
+    """Reassemble one payload chunk by chunk, checking as it goes; `finish` yields the Payload.
 
     The header is checked before the buffer is allocated (its size is then known and bounded), each
     data chunk is checked against the declared and maximal sizes before it is copied, and the
@@ -426,8 +426,8 @@ class Decoder:
         else:
             self._parts.append((end - start, _check_region(self._view, self._values, start, end)))
 
-    def finish(self) -> Message:
-        """Check completeness, checksum and values; return the Message (``flat`` owns the buffer)."""
+    def finish(self) -> Payload:
+        """Check completeness, checksum and values; return the Payload (``flat`` owns the buffer)."""
         h = self.header
         if h is None or self._buf is None:
             raise WireError(Reason.MISSING_HEADER, "the payload has no header")
@@ -458,7 +458,7 @@ class Decoder:
         else:
             values, indices = _decoded(self._buf, self._specs, compression, int(h.count))
             check_finite(values, self._specs)
-        return Message(
+        return Payload(
             sender=h.sender,
             round=int(h.round),
             step=int(h.step),
@@ -513,7 +513,7 @@ def decode(
     expected: Expectation,
     *,
     parallel_min_bytes: int = PARALLEL_MIN_BYTES,
-) -> Message:
+) -> Payload:
     """Reassemble and validate a payload; `WireError` names the first rule it breaks."""
     dec = Decoder(expected, parallel_min_bytes=parallel_min_bytes)
     for c in chunks:

@@ -1,6 +1,6 @@
 """Payload compression (``wire.compression``): what a sender puts on the wire, and how a receiver reads it.
 
-Why the lossy step happens *before* the transport: the sender turns its outgoing Message into the
+Why the lossy step happens *before* the transport: the sender turns its outgoing Payload into the
 values the receiver will see (``compress_outgoing``: float16/bfloat16 rounding, or top-k selection),
 and the codec then encodes those values losslessly (``p2pfl.wire.codec``). So the in-memory
 simulation (which hands Messages over as they are) and gRPC (which encodes them) deliver bitwise the
@@ -34,7 +34,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from p2pfl.messages import Message
+from p2pfl.payload import Payload
 
 __all__ = [
     "BIT",
@@ -97,9 +97,9 @@ def _round_to(flat: torch.Tensor, compression: str) -> torch.Tensor:
     return flat.to(dtype).to(torch.float32)
 
 
-def compress_outgoing(msg: Message, fmt: WireFormat, extra: dict[str, torch.Tensor],
-                      bit_ranges: tuple[tuple[int, int], ...] = ()) -> Message:
-    """The Message as the receivers will see it, under ``fmt`` (``msg`` itself when nothing changes).
+def compress_outgoing(msg: Payload, fmt: WireFormat, extra: dict[str, torch.Tensor],
+                      bit_ranges: tuple[tuple[int, int], ...] = ()) -> Payload:
+    """The Payload as the receivers will see it, under ``fmt`` (``msg`` itself when nothing changes).
 
     ``extra`` is the sender's ``PeerState.extra``: top-k keeps its error-feedback reference there.
     ``bit_ranges`` are the (offset, numel) of bit tensors, which float rounding must not touch
@@ -130,7 +130,7 @@ def compress_outgoing(msg: Message, fmt: WireFormat, extra: dict[str, torch.Tens
     return dataclasses.replace(msg, flat=sent, compression="topk", indices=idx.to(torch.int64))
 
 
-def densify(msg: Message, own: torch.Tensor) -> Message:
+def densify(msg: Payload, own: torch.Tensor) -> Payload:
     """A top-k payload made whole: the coordinates it did not carry take the receiver's own values."""
     if msg.indices is None:
         return msg

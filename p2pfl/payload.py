@@ -14,7 +14,7 @@ from p2pfl.models.layout import TensorSpec
 
 
 @dataclass(frozen=True)
-class Message:
+class Payload:
     """A peer's payload for one gossip exchange.
 
     ``flat`` is one contiguous float32 vector holding the tensors named by ``manifest`` (in
