@@ -427,8 +427,8 @@ def _loop_worker(w: int, nworkers: int, exp: Any, flat: Any, mix: list[list[tupl
     import torch
     import torch.nn.functional as F
 
+    from p2pfl.engine.exact import worker_cores
     from p2pfl.experiment import peer_seed
-    from p2pfl.simulation import worker_cores
 
     cores = worker_cores(nworkers)  # pinned by the simulation's own rule, so neither side gains from it alone
     if cores is not None:
@@ -544,7 +544,7 @@ ENGINES: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
 def child_main(args: argparse.Namespace) -> None:
     # As `p2pfl simulate` starts: the package's process defaults before torch loads (p2pfl/__init__),
     # then one malloc arena before any thread (this child's RoundWatcher) could create another.
-    from p2pfl.simulation import one_malloc_arena
+    from p2pfl.engine.exact import one_malloc_arena
 
     one_malloc_arena()
     with tempfile.TemporaryDirectory(prefix="p2pfl-many-") as tmp:

@@ -163,7 +163,7 @@ def _stamp_records() -> None:
     all processes of the machine. Rank 0 is the process that forked the others: its CPU stamps count
     from when it began to run its peers, as a forked rank's count from its fork.
     """
-    from p2pfl import simulation
+    from p2pfl.engine import exact as simulation
     from p2pfl.experiment import Experiment
 
     make_node = Experiment.make_node
@@ -232,7 +232,7 @@ def _round_figures(metrics: Path, peers: int, rounds: int) -> dict[str, Any]:
 
 
 def child_main(args: argparse.Namespace) -> None:
-    from p2pfl.simulation import one_malloc_arena
+    from p2pfl.engine.exact import one_malloc_arena
 
     one_malloc_arena()  # as `p2pfl simulate` does, before any thread
     import torch

@@ -98,7 +98,7 @@ class SimulationConfig(Section):
     # one stack of tensors, one vectorized step (p2pfl/engine/batched.py; equal up to float rounding).
     engine: Literal["exact", "batched"] = "exact"
     # Each worker process on a core of its own when the process may use exactly ``workers`` cores
-    # (p2pfl/simulation.py, ``worker_cores``); false: the kernel places them.
+    # (p2pfl/engine/exact.py, ``worker_cores``); false: the kernel places them.
     pin_cores: bool = True
 
 

@@ -667,7 +667,7 @@ def _progress(enabled: bool, total: int, done: int) -> tuple[Any, Any]:
 
 def core_slots(jobs: int) -> list[list[int]] | None:
     """For ``jobs`` > 1 cells side by side: a disjoint slice of this process's cores for each (a
-    cell's simulation then pins its workers inside its slice, p2pfl.simulation.worker_cores);
+    cell's simulation then pins its workers inside its slice, p2pfl.engine.exact.worker_cores);
     None for one job, off Linux, or with fewer cores than jobs."""
     allowed = _allowed_cores()
     if allowed is None:

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from p2pfl.config import load_config
-from p2pfl.simulation import SimulationError, _entries, _pack, _pack_payload, _unpack_payload, simulate
+from p2pfl.engine.exact import _entries, _pack, _pack_payload, _unpack_payload
+from p2pfl.simulation import SimulationError, simulate
 from tests.conftest import TIMES, records_without_times, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent

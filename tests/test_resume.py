@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
+import p2pfl.engine.exact as exact
 import p2pfl.simulation as sim
 from p2pfl.config import ExperimentConfig, load_config
 from p2pfl.resume import prepare_resume, resumable
@@ -27,12 +28,12 @@ def _records(run: Path) -> list[tuple[int, str, float | None]]:
 def _killed_run(cfg: ExperimentConfig, run: Path, kept_round: int) -> None:
     """A run folder as a kill leaves it: no summary; every peer has checkpointed ``kept_round``
     but only p0 got further (the peers' latest checkpoints hold different rounds)."""
-    keep = sim.drop_generations
-    sim.drop_generations = lambda run_dir: None  # as if killed right after the last round
+    keep = exact.drop_generations
+    exact.drop_generations = lambda run_dir: None  # as if killed right after the last round
     try:
         sim.simulate(cfg, run, progress=False)
     finally:
-        sim.drop_generations = keep
+        exact.drop_generations = keep
     (run / "summary.json").unlink()
     for f in (run / "checkpoints" / "gen").iterdir():
         if int(f.name.removesuffix(".npz").rpartition(".r")[2]) > kept_round and not f.name.startswith("p0."):

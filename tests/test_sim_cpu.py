@@ -236,7 +236,7 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
-libc.mallopt(-8, 1)  # one arena, as `p2pfl.simulation.one_malloc_arena`
+libc.mallopt(-8, 1)  # one arena, as `p2pfl.engine.exact.one_malloc_arena`
 torch.set_num_threads(1)
 layer, x = torch.nn.Linear(512, 128), torch.randn(16, 512)
 turn, done = threading.Lock(), threading.Event()
@@ -504,6 +504,7 @@ def _run_recording_pins(tmp_path, monkeypatch: pytest.MonkeyPatch, allowed: set[
     own affinity is put back when the run ends."""
     from p2pfl import simulation
     from p2pfl.config import load_config
+    from p2pfl.engine import exact
     from tests.conftest import tiny_config
 
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -517,7 +518,7 @@ def _run_recording_pins(tmp_path, monkeypatch: pytest.MonkeyPatch, allowed: set[
         with open(log, "a") as f:  # one short line per worker, appended atomically
             f.write(f"{sorted(cores)[0]} {sorted(os.sched_getaffinity(0))}\n")
 
-    monkeypatch.setattr(simulation.os, "sched_setaffinity", recording)
+    monkeypatch.setattr(exact.os, "sched_setaffinity", recording)
     cfg = load_config(tiny_config(tmp_path, rounds=2, simulation={"workers": 2, **sim}), [])
     before = os.sched_getaffinity(0)
     real(0, allowed)
@@ -542,11 +543,12 @@ def test_two_workers_on_two_cores_are_pinned_one_per_core_unless_turned_off(tmp_
 
 
 def test_worker_cores_and_sweep_slots_follow_the_allowed_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    from p2pfl import simulation, sweep
+    from p2pfl import sweep
+    from p2pfl.engine import exact
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 1, 3, 7})
-    assert simulation.worker_cores(4) == [1, 3, 5, 7]
-    assert simulation.worker_cores(2) is None and simulation.worker_cores(5) is None
+    assert exact.worker_cores(4) == [1, 3, 5, 7]
+    assert exact.worker_cores(2) is None and exact.worker_cores(5) is None
     assert sweep.core_slots(2) == [[1, 3], [5, 7]]
     assert sweep.core_slots(3) == [[1], [3], [5]]
     assert sweep.core_slots(1) is None and sweep.core_slots(5) is None

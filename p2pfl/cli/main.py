@@ -177,8 +177,8 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
     simulate -c CONFIG --out RUN` (docs/scale.md)."""
     _setup_logging(verbose)
     cfg = _load(config, set, rounds)
+    from p2pfl.engine.exact import one_malloc_arena
     from p2pfl.procgroup import launched
-    from p2pfl.simulation import one_malloc_arena
     from p2pfl.simulation import simulate as run_sim
 
     if launched() and out is None:  # every rank must name the same folder: torchrun's run id, not the time

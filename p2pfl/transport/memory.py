@@ -6,7 +6,7 @@ once every peer that will read it has done so, so memory stays bounded.
 
 When the simulation shards peers over several ranks (processes), each rank has its own board and
 a ``forward`` callback hands a message for peers of other ranks to the simulation, which sends its
-wire frames at the next exchange step (``p2pfl/simulation.py``); the board then only counts its
+wire frames at the next exchange step (``p2pfl/engine/exact.py``); the board then only counts its
 local readers.
 """
 

@@ -1,0 +1,432 @@
+"""The exact engine: every peer of the config through the same Node loop as a deployment, sharded
+over the ranks of a torch.distributed process group (`p2pfl.simulation` picks it or the batched one).
+
+Peers are spread over the ranks in contiguous blocks of indices (peer i -> rank i * W // N:
+generated graphs join nearby indices, so a ring's or a grid's messages mostly stay in their
+rank instead of crossing to another, as with i mod W). A rank is one process with one torch
+thread and one model object that its peers borrow in turn: this keeps every core busy on training
+(threads in one process would fight over the GIL). Inside a rank each peer runs its Node in a
+greenlet of the rank's one thread, with an in-memory transport, and the peers take turns
+(`p2pfl.turns.Turns`): one computes until it waits for its neighbours, then the next in line runs.
+
+When none of a rank's peers can go on, the rank takes an *exchange step* with the others
+(`p2pfl.procgroup.Ranks.step`, in lockstep: every rank takes part in every step): the wire
+frames of the messages its peers published for peers of other ranks go out as byte tensors, and
+what the others sent for its peers comes in, parsed and checked by the wire codec (dtype,
+manifest, checksum, finiteness, as a deployed receiver checks them) before it reaches the board.
+The step also carries each rank's flags (done, failed, waiting on a timer), so the ranks agree
+when the run ends (every rank done), when a peer failed anywhere (every board aborts), and when
+no message can ever come (a deadlock: every rank raises), and the other ranks' metrics records to
+rank 0, which alone writes the run folder's files (config, metrics, summary, plot, progress bar);
+each peer's checkpoint is written by the rank that runs it.
+
+How the ranks come to be (one code path, `_run_rank`):
+
+* ``torchrun --nproc-per-node K [rendezvous flags] $(which p2pfl) simulate -c CONFIG --out RUN``:
+  each process is a rank of the group torchrun set up (`p2pfl.procgroup.join`; gloo, or NCCL
+  for CUDA); the world size is the number of ranks, ``simulation.workers`` is not used;
+* plain ``p2pfl simulate`` with ``simulation.workers: W``: this process forks W - 1 ranks
+  (after the dataset is loaded, so its pages are shared) and is rank 0 itself; they form a gloo
+  group over a file store (`p2pfl.procgroup.local`). ``W = 1``: one rank, no group.
+
+Results are bitwise independent of the number of ranks: each peer's randomness is its own
+generator and mixing sums in plan order (tests/test_distributed_sim.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2pfl import procgroup
+from p2pfl.config import ConfigError, ExperimentConfig
+from p2pfl.experiment import Experiment
+from p2pfl.modelpool import ModelPool
+from p2pfl.payload import Payload
+from p2pfl.procgroup import DONE, FAILED, TIMERS, Ranks, RanksError
+from p2pfl.resume import drop_generations, keep_generation, prepare_resume
+from p2pfl.runfolder import RunFolder
+from p2pfl.storage import StorageError
+from p2pfl.storage import configure as configure_storage
+from p2pfl.transport.memory import MemoryHub, MemoryTransport
+from p2pfl.turns import Turns
+from p2pfl.wire.codec import decode, encode_frames, parse_frame
+from p2pfl.wire.validate import Expectation, WireError
+
+log = logging.getLogger(__name__)
+
+# On one host nobody is late: a peer waits for its neighbours however long their compute takes.
+SIM_DEADLINE_S = 7 * 24 * 3600.0
+
+
+class SimulationError(RuntimeError):
+    pass
+
+
+def simulate_exact(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, *, progress: bool = True,
+                   resume: bool = False, accept_config_change: bool = False) -> dict[str, Any]:
+    """``p2pfl simulate`` with ``simulation.engine: exact`` (the default): join torchrun's group when
+    launched by it, else fork the ranks of ``simulation.workers``; the summary on rank 0, ``{}`` on the others."""
+    ranks = procgroup.join(exp.device) if procgroup.launched() else None
+    if ranks is not None and exp.device.type == "cuda" and exp.device.index is None:
+        exp.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU (join chose it)
+    try:
+        return _simulate(cfg, exp, run_dir, ranks, progress=progress, resume=resume,
+                         accept_config_change=accept_config_change)
+    finally:
+        if ranks is not None:
+            ranks.close()
+
+
+def _simulate(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, launched: Ranks | None, *, progress: bool,
+              resume: bool, accept_config_change: bool) -> dict[str, Any]:
+    topo = exp.topology
+    ids = list(topo.ids)
+    exp.layout  # noqa: B018 - build the initial model before forking (and refuse a broken app before writing)
+    if launched is None:
+        rank, world = 0, max(1, min(cfg.workers, len(ids)))
+        if exp.device.type == "cuda":
+            world = 1  # CUDA does not survive fork; one process drives the GPU (torchrun: one rank per GPU)
+    else:
+        rank, world = launched.rank, launched.world
+        if world > len(ids):
+            raise ConfigError(f"{world} ranks for {len(ids)} peers: start at most one rank per peer")
+    run: RunFolder | None = None
+    start = 0
+    if rank == 0:  # only rank 0 touches the run folder's own files
+        try:
+            start = prepare_resume(run_dir, ids, before=cfg.rounds,
+                                   check=exp.resume_check(run_dir, accept_config_change)) if resume else 0
+            run = RunFolder.start(run_dir, cfg, topo, exp.partition, "simulate", append=start > 0)
+        except BaseException:
+            if launched is not None:
+                launched.broadcast_int(-1)  # the other ranks stop too (they wait for the round to start at)
+            raise
+    if launched is not None:
+        start = launched.broadcast_int(start)  # also: rank 0 put the checkpoints back before any peer reads one
+        if start < 0:
+            raise SimulationError("rank 0 could not prepare the run folder (its error says why)")
+    assign = {pid: i * world // len(ids) for i, pid in enumerate(ids)}
+    groups = [[p for p in ids if assign[p] == w] for w in range(world)]
+    if run is not None and progress:
+        run.show_progress(len(ids) * (cfg.rounds - start))
+
+    procs: list[Any] = []
+    frozen = False
+    store_dir: str | None = None
+    affinity: set[int] | None = None
+    ranks = launched
+    try:
+        if ranks is None and world > 1:
+            store_dir = tempfile.mkdtemp(prefix="p2pfl-ranks-")
+            store = Path(store_dir) / "store"
+            cores = worker_cores(world) if cfg.simulation.pin_cores else None
+            ctx = mp.get_context("fork")
+            # Move every object alive now out of the collector's reach (until the run ends): a rank's
+            # full collections would otherwise write to the GC header of each object it inherited, and
+            # copy-on-write duplicates those pages in every rank (~45 MB per rank at 128 peers).
+            gc.freeze()
+            frozen = True
+            for w in range(1, world):
+                p = ctx.Process(target=_rank_process, args=(w, world, store, exp, groups[w], assign, run_dir,
+                                                            start > 0, cores[w] if cores else None),
+                                name=f"p2pfl-sim-{w}", daemon=True)
+                p.start()
+                procs.append(p)
+            if cores:
+                affinity = os.sched_getaffinity(0)
+                os.sched_setaffinity(0, {cores[0]})  # this thread only: put back when the run ends
+            ranks = procgroup.local(0, world, store)
+        elif ranks is None:
+            ranks = procgroup.single()
+        assert run is None or rank == 0
+        try:
+            _run_rank(ranks, exp, groups[rank], assign, run_dir, start > 0, run.record if run is not None else None)
+        except RanksError as exc:
+            raise SimulationError(_dead_rank(procs) or str(exc)) from None
+    finally:
+        if ranks is not None and ranks is not launched:
+            ranks.close()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        if frozen:
+            gc.unfreeze()
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+        if store_dir is not None:
+            shutil.rmtree(store_dir, ignore_errors=True)
+        if run is not None:
+            run.close()
+    if run is None:
+        return {}
+    drop_generations(run_dir)
+    return run.finish(ids, {"workers": world, "resumed_from_round": start}, rounds_run=cfg.rounds - start)
+
+
+def _dead_rank(procs: list) -> str | None:
+    """Which forked rank died (the reason the group broke), if one did."""
+    for p in procs:
+        p.join(timeout=2)
+    dead = [p for p in procs if p.exitcode not in (None, 0)]
+    return f"rank process {dead[0].name} died (exit code {dead[0].exitcode})" if dead else None
+
+
+def _rank_process(rank: int, world: int, store: Path, exp: Experiment, peers: list[str], assign: dict[str, int],
+                  run_dir: Path, resume: bool, core: int | None) -> None:
+    """A forked rank of a plain ``p2pfl simulate``: join the local group, run its peers."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})  # this process and every thread it starts (see worker_cores)
+    torch.set_num_threads(1)
+    one_malloc_arena()
+    ranks = procgroup.local(rank, world, store)
+    try:
+        _run_rank(ranks, exp, peers, assign, run_dir, resume, None)
+    except (SimulationError, StorageError):  # rank 0 reports it (it has every rank's errors)
+        sys.exit(1)
+    finally:
+        ranks.close()
+
+
+def one_malloc_arena() -> None:
+    """Make this process's threads share one glibc malloc arena (a no-op off glibc).
+
+    Each thread of a rank (its peers' thread, and any torch or a user's code starts) would otherwise
+    get an arena of its own (up to 8 per core), each keeping the freed blocks it allocated: when
+    every peer was a thread of its own, about 200 MB more per worker at 64 peers, measured.
+
+    Call it in the process that forks the workers too, before it starts any thread (`p2pfl
+    simulate` does, before its progress bar): an arena a thread of the parent created is
+    inherited by every worker, and glibc hands it out to the worker's threads in turn whatever
+    the limit says, so half of each worker's peers allocated from a second, fragmenting heap.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-8, 1)  # M_ARENA_MAX = -8 (malloc.h)
+    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
+        pass
+
+
+def worker_cores(workers: int) -> list[int] | None:
+    """A core of its own for each of ``workers`` worker processes when they are exactly as many as
+    the cores this process may use (``sched_getaffinity``; a sweep running cells side by side gives
+    each its own slice); otherwise None, and the kernel places them (with spare cores, two runs
+    pinned by the same rule would share cores while others idle). None off Linux.
+
+    Why (measured when a worker still had bridge and queue-feeder threads beside its peers'): threads
+    that wake each other many times a round. Unpinned, the kernel often wakes a thread on the *other* core, where it preempts
+    the other worker, and then migrates threads back: measured at 128 peers on 2 cores when each
+    peer was a thread, a peer thread ran only 80-87% of the wall time it spent training (the tight
+    loop's single thread: 99%), and a worker was busy 86-87% of its wall time; pinned, 99-100%.
+    """
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return None
+    return allowed if len(allowed) == workers else None
+
+
+def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str, int], run_dir: Path,
+              resume: bool, sink: Callable[[dict[str, Any]], Any] | None) -> None:
+    """Run the Nodes of ``peers`` (greenlets taking turns) and the exchange steps with the other ranks
+    until every rank is done. ``sink``: where records go (rank 0: the run folder); None: to rank 0."""
+    rank, world = ranks.rank, ranks.world
+    outboxes = [bytearray() for _ in range(world)]  # what goes to each rank at the next step
+
+    def forward(msg: Payload, remote: list[str], size: int) -> None:
+        # The wire codec's own frames cross between ranks: what gRPC would carry.
+        frames = encode_frames(msg).frames
+        for r, count in Counter(assign[p] for p in remote).items():
+            _pack_payload(outboxes[r], msg, size, count, frames)
+
+    hub = MemoryHub(local_peers=set(peers), forward=forward) if world > 1 else MemoryHub()
+    # What this rank's peers expect of every payload (the same for all of them: one experiment).
+    probe = exp.new_algorithm()
+    specs, scalar_keys, topology_hash = probe.wire_specs(), frozenset(probe.wire_scalars()), exp.topology.hash()
+    del probe
+    pending: list[dict[str, Any]] = []  # records for rank 0
+    # this rank's failure (the first), then those other ranks reported (rank 0): what to raise
+    errors: list[BaseException] = []
+    failed = False  # a peer of this rank failed
+    failure_seen = False  # a peer of some rank failed
+
+    def record(rec: dict[str, Any]) -> None:
+        if sink is not None:
+            sink(rec)
+        else:
+            pending.append(rec)
+
+    def deliver(buf: memoryview) -> None:
+        for kind, body in _entries(buf):
+            if kind == _PAYLOAD:
+                sender, r, step, size, count, frames = _unpack_payload(body)
+                expected = Expectation(specs=specs, round=r, step=step, topology_hash=topology_hash,
+                                       senders=frozenset((sender,)), scalar_keys=scalar_keys, wire=exp.wire_format)
+                try:
+                    msg = decode((parse_frame(f) for f in frames), expected)
+                except WireError as exc:
+                    log.warning("rank %d: payload of %s for (round %d, step %d) refused: %s", rank, sender, r, step,
+                                exc)
+                    hub.refuse(sender, r, step, count, size)
+                    continue
+                if msg.flat.device != exp.device:
+                    msg = dataclasses.replace(msg, flat=msg.flat.to(exp.device),
+                                              indices=None if msg.indices is None else msg.indices.to(exp.device))
+                hub.put(msg, count, size)
+            elif kind == _RECORDS and sink is not None:
+                for line in bytes(body).decode().splitlines():
+                    sink(json.loads(line))
+            elif kind == _ERROR:
+                errors.append(SimulationError(bytes(body).decode(errors="replace")))
+            elif kind == _STORAGE:
+                path, problem = json.loads(bytes(body).decode())
+                errors.append(StorageError(path, problem))
+
+    def exchange(flags: int) -> procgroup.Step:
+        nonlocal failure_seen
+        if pending:
+            _pack(outboxes[0], _RECORDS, "".join(json.dumps(r) + "\n" for r in pending).encode())
+            pending.clear()
+        out = list(outboxes)
+        for r in range(world):
+            outboxes[r] = bytearray()
+        step = ranks.step(out, flags | (FAILED if failed else 0))
+        for buf in step.received:
+            if len(buf):
+                deliver(buf)
+        if step.any(FAILED):
+            failure_seen = True
+            if not hub.aborted:
+                hub.abort("a peer of another rank failed")
+        if step.moved == 0 and not step.any(FAILED) and not step.all(DONE) and not step.any(TIMERS):
+            # Every rank is idle, nothing moved, no peer has a deadline to wait out: no message can come.
+            raise SimulationError("deadlock: every peer waits for a message that no peer will send")
+        return step
+
+    def idle(seconds: float | None) -> None:
+        """No peer of this rank can go on: an exchange step (lockstep with the other ranks).
+
+        A timer counts (TIMERS) only when it is not a reader's deadline (a week, SIM_DEADLINE_S):
+        when every rank is idle and nothing moves, only a peer's own pause can end the wait; a
+        deadline would, a week later, only record the neighbours as missing."""
+        paused = seconds is not None and seconds < SIM_DEADLINE_S / 2
+        step = exchange(TIMERS if paused else 0)
+        if step.moved == 0 and paused and not step.any(FAILED):
+            # Nothing can come before this rank's pause ends (the others wait in the next step).
+            time.sleep(seconds)  # type: ignore[arg-type]
+
+    configure_storage(exp.cfg.checkpoint.storage_retry_s)  # a started rank has the default
+    models = ModelPool(exp.model_factory, 1)
+    turns = Turns(idle=idle)  # the rank's peers, greenlets of this thread, one running at a time (p2pfl/turns.py)
+
+    def run(pid: str) -> None:
+        nonlocal failed
+        try:
+            with turns.held((-1, exp.topology.index(pid))):
+                run_node(pid)
+        except BaseException as exc:  # noqa: BLE001 - any failure stops the whole simulation
+            if hub.aborted:
+                return  # woken by the abort of another failure: that one is reported
+            hub.abort(f"peer {pid} failed: {exc!r}")
+            failed = True
+            if isinstance(exc, StorageError):  # one line, as `p2pfl node` says it (exit 74)
+                error: BaseException = StorageError(exc.path, exc.problem)
+                kind, body = _STORAGE, json.dumps([exc.path, exc.problem]).encode()
+            else:
+                text = f"peer {pid} failed: " + "".join(traceback.format_exception(exc))
+                error, kind, body = SimulationError(text), _ERROR, text.encode()
+            if rank == 0:
+                errors.insert(0, error)
+            else:
+                _pack(outboxes[0], kind, body)
+
+    def run_node(pid: str) -> None:
+        node = exp.make_node(pid, transport=MemoryTransport(hub, pid, turns, exp.topology.index(pid)), models=models,
+                             record=record, run_dir=run_dir)
+        node.on_round = keep_generation(node, exp.cfg.checkpoint_every)
+        # Atomic but not fsynced: a kill of any process loses nothing written (the page cache
+        # keeps it); only an OS crash could tear the latest generation. One fsync per peer per
+        # checkpoint was ~1 s of a 128-peer checkpoint round here (docs/protocol.md).
+        node.durable_checkpoints = False
+        if resume:
+            node.resume()
+        node.deadline_s = SIM_DEADLINE_S
+        node.run()
+
+    for pid in peers:
+        turns.spawn(run, pid)
+    turns.run()
+    while not exchange(DONE).all(DONE):  # the other ranks' peers may still need this rank's steps
+        pass
+    if errors:
+        raise errors[0]
+    if failed or failure_seen:
+        raise SimulationError("a peer of another rank failed (rank 0 reports which)")
+
+
+# Entries of the byte buffer one rank sends another at a step: kind (1 byte), body length (8 bytes), body.
+_PAYLOAD, _RECORDS, _ERROR, _STORAGE = b"P", b"R", b"E", b"S"
+_ENTRY = struct.Struct("<cQ")
+# A payload's body: round, step, wire size, local readers, sender id length, frame count; then the
+# sender id, the frame lengths (8 bytes each) and the frames (what `encode_frames` made).
+_PAYLOAD_HEAD = struct.Struct("<qqqqII")
+
+
+def _pack(buf: bytearray, kind: bytes, body: bytes | bytearray) -> None:
+    buf += _ENTRY.pack(kind, len(body))
+    buf += body
+
+
+def _pack_payload(buf: bytearray, msg: Payload, size: int, count: int, frames: tuple[bytes, ...]) -> None:
+    sender = msg.sender.encode()
+    body = bytearray(_PAYLOAD_HEAD.pack(msg.round, msg.step, size, count, len(sender), len(frames)))
+    body += sender
+    body += struct.pack(f"<{len(frames)}Q", *(len(f) for f in frames))
+    for f in frames:
+        body += f
+    _pack(buf, _PAYLOAD, body)
+
+
+def _entries(buf: memoryview) -> Iterator[tuple[bytes, memoryview]]:
+    at = 0
+    while at < len(buf):
+        kind, n = _ENTRY.unpack_from(buf, at)
+        at += _ENTRY.size
+        yield kind, buf[at : at + n]
+        at += n
+
+
+def _unpack_payload(body: memoryview) -> tuple[str, int, int, int, int, list[memoryview]]:
+    r, step, size, count, n_sender, n_frames = _PAYLOAD_HEAD.unpack_from(body, 0)
+    at = _PAYLOAD_HEAD.size
+    sender = bytes(body[at : at + n_sender]).decode()
+    at += n_sender
+    lengths = struct.unpack_from(f"<{n_frames}Q", body, at)
+    at += 8 * n_frames
+    frames = []
+    for n in lengths:
+        frames.append(body[at : at + n])
+        at += n
+    return sender, r, step, size, count, frames
