@@ -42,6 +42,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from p2pfl.display import figure  # noqa: E402
 from p2pfl.sweep import SweepSpec, cell_name, load_sweep  # noqa: E402
 
 TABLE1_DIR = ROOT / "bench" / "reproduce" / "table1"
@@ -723,15 +724,6 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return out + ["| " + " | ".join(r) + " |" for r in esc[1:]]
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _draw(ax: Any, entries: list[dict[str, Any]], ylabel: str, paper_note: str = "",
           final_key: str | None = None, legend_below: bool = False) -> None:
     """One panel: per method the seed-mean curve with its min-max band, the paper's value dashed, and with
@@ -769,7 +761,6 @@ def _save(fig: Any, out: Path) -> Path:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
-    _pyplot().close(fig)
     return out
 
 
@@ -778,7 +769,7 @@ def plot(cells: list[dict[str, Any]], title: str, out: Path) -> Path | None:
     done = [c for c in cells if c["curves"]]
     if not done:
         return None
-    fig, ax = _pyplot().subplots(figsize=(7, 4.2))
+    fig, ax = figure(figsize=(7, 4.2))
     _draw(ax, done, "accuracy (%), each peer's own test split")
     ax.set_title(title, fontsize=10)
     return _save(fig, out)
@@ -793,10 +784,9 @@ def plot_claim(claim: dict[str, Any], out: Path) -> Path | None:
     if not settings:
         return None
     rows = max(len(ms) for _, ms in settings)  # legend rows below the panel: up to 3 entries a method, 2 columns
-    fig, axes = _pyplot().subplots(1, len(settings), figsize=(6.2 * len(settings), 3.6 + 0.17 * 1.5 * rows),
-                                   squeeze=False)
+    fig, axes = figure(figsize=(6.2 * len(settings), 3.6 + 0.17 * 1.5 * rows), ncols=len(settings))
     averaged = claim["metric"] == AVERAGED
-    for ax, (name, methods) in zip(axes[0], settings, strict=True):
+    for ax, (name, methods) in zip([axes] if len(settings) == 1 else axes, settings, strict=True):
         _draw(ax, methods, "personalized accuracy (%)",
               paper_note=" (x̄, other data)" if averaged else " (other data)",
               final_key="averaged" if averaged else None, legend_below=True)
