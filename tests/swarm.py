@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -206,6 +207,23 @@ def free_base_port(n: int = 4) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no free ports")
+
+
+def wait_listening(ports: Sequence[int], timeout_s: float = 90.0, procs: Sequence[subprocess.Popen] = ()) -> None:
+    """Until every port accepts a TCP connection on loopback (a peer's server is up), bounded; fails at once
+    when one of ``procs`` has exited. Tests whose outcome depends on who is up first (not only on what the
+    peers do once they meet) start the peers in that order, instead of racing their imports."""
+    end = time.monotonic() + timeout_s
+    for port in ports:
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+                break
+            except OSError:
+                dead = [p.args for p in procs if p.poll() is not None]
+                assert not dead, f"exited before listening: {dead}"
+                assert time.monotonic() < end, f"port {port} not listening after {timeout_s:.0f} s"
+                time.sleep(0.2)
 
 
 def records(path: Path) -> list[dict]:

@@ -29,7 +29,7 @@ from p2pfl.node_metrics import NodeMetrics, parse_exposition
 from p2pfl.security.certs import CertificateProblem, TLSConfig, check_own_certificate, make_certs
 from p2pfl.transport.refusals import RefusalTracker, refusal_cause
 from tests.conftest import tiny_config
-from tests.swarm import free_base_port, spawn_node
+from tests.swarm import free_base_port, spawn_node, wait_listening
 
 PEERS = ["p0", "p1", "p2", "p3"]
 
@@ -161,16 +161,22 @@ def _certs_of_another_deployment(tmp_path: Path, cfg: Path) -> Path:
                                                     ("topology", "topology hash", "async"),
                                                     ("tls", "TLS handshake failed", "async")])
 def test_a_peer_every_neighbour_refuses_stops_within_the_bound(tmp_path: Path, how: str, cause: str, mode: str) -> None:
-    rounds, bound = 12, 3
-    cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds,
+    """The three good peers run far more rounds than the test watches (they are killed at its end) and are
+    serving before p2 starts: so p2 meets running neighbours from its first round, and they are still there to
+    log whom they refuse. (With 12 rounds each, a loaded machine let one side finish before the other had
+    imported torch: p2 ran its rounds against silence, or a neighbour never called p2 at all; CI of 556af95.)"""
+    rounds, bound = 1000, 3
+    base = free_base_port()
+    cfg = tiny_config(tmp_path, base_port=base, rounds=rounds,
                       network={"round_timeout_s": 3.0, "probe_s": 0.5, "refused_rounds": bound, "mode": mode})
     out, certs = tmp_path / "run", tmp_path / "certs"
     make_certs(PEERS, certs)
     bad_cfg = _one_edge_off(tmp_path, cfg) if how == "topology" else _certs_of_another_deployment(tmp_path, cfg)
     bad_certs = certs if how == "topology" else tmp_path / "certs-other"
     procs = {pid: spawn_node(cfg, pid, out, certs, tmp_path / f"{pid}.log") for pid in ("p0", "p1", "p3")}
-    procs["p2"] = spawn_node(bad_cfg, "p2", out, bad_certs, tmp_path / "p2.log")
     try:
+        wait_listening([base + PEERS.index(pid) for pid in procs], procs=list(procs.values()))
+        procs["p2"] = spawn_node(bad_cfg, "p2", out, bad_certs, tmp_path / "p2.log")
         code = procs["p2"].wait(150)
         log = (tmp_path / "p2.log").read_text()
         assert code == 1, log[-3000:]
@@ -179,12 +185,15 @@ def test_a_peer_every_neighbour_refuses_stops_within_the_bound(tmp_path: Path, h
         assert "p1: " in last and "p3: " in last and cause in last, last
         done = [line for line in (out / "metrics-p2.jsonl").read_text().splitlines() if line.strip()]
         assert len(done) <= bound + 1  # stopped within the bound (round 0 may wait out a TLS deadline)
-        # the neighbours' logs say whom they refuse (or cannot reach through TLS), and why
+        # the neighbours' logs say whom they refuse (or cannot reach through TLS), and why. A TLS refusal
+        # shows only on the side that dials (the server's handshake never reaches Python): an asynchronous
+        # p2 stops within about a second, before a neighbour that found it down (it was not up yet) redials
+        # it after gRPC's reconnect backoff, so in that case only p2's own line is asserted (above).
         for pid in ("p1", "p3"):
             text = (tmp_path / f"{pid}.log").read_text()
             if how == "topology":
                 assert "from p2: FAILED_PRECONDITION: topology hash" in text, text[-3000:]
-            else:
+            elif mode == "sync":
                 assert "calls to neighbour p2 are refused: TLS handshake failed" in text, text[-3000:]
     finally:
         for p in procs.values():
