@@ -162,26 +162,42 @@ class Tail:
 
 
 class Progress:
-    """Polls every peer's records; remembers in which poll each (peer, round) was first seen and the
-    largest round any peer had honestly reached by then (its largest recorded round + 1)."""
+    """Polls every peer's records; tells the round each peer is in and the largest round any peer had
+    honestly reached: a trained round's record (round + 1), or a fast-forward that was itself justified.
+
+    A fast-forward record to round X is justified when X <= that bound in the poll that first saw it or
+    the next one (a neighbour's record of round X - 1 is written before it publishes round X, so before
+    anyone can prove X; one poll of slack for the order the files are read in)."""
 
     def __init__(self, dirs: dict[str, Path]) -> None:
         self.tails = {pid: Tail(d / f"metrics-{pid}.jsonl") for pid, d in dirs.items()}
         self.passes = 0
-        self.first_seen: dict[tuple[str, int], int] = {}
-        self.reached: list[int] = []  # per poll: max recorded round + 1 over all peers, cumulative
-        self.ff: dict[tuple[str, int], tuple[int, int]] = {}  # (peer, to) -> (from, poll)
+        self.top = 0  # the largest round honestly reached so far
+        self.ff_seen: set[tuple[str, int]] = set()
+        self.waiting: list[tuple[str, int, int, int]] = []  # (peer, from, to, poll first seen)
+        self.bad: list[dict[str, Any]] = []
 
     def poll(self) -> None:
-        top = self.reached[-1] if self.reached else 0
         for pid, t in self.tails.items():
             for r in t.poll():
                 k = int(r["round"])
-                self.first_seen.setdefault((pid, k), self.passes)
-                if "fast_forward_from" in r:
-                    self.ff.setdefault((pid, k), (int(r["fast_forward_from"]), self.passes))
-                top = max(top, k + 1)
-        self.reached.append(top)
+                if "fast_forward_from" not in r:
+                    self.top = max(self.top, k + 1)
+                elif (pid, k) not in self.ff_seen:  # a rewritten file is read again: judged once
+                    self.ff_seen.add((pid, k))
+                    self.waiting.append((pid, int(r["fast_forward_from"]), k, self.passes))
+        changed = True
+        while changed:  # a justified fast-forward may justify another (a chain of catch-ups)
+            changed = False
+            for w in list(self.waiting):
+                if w[2] <= self.top:
+                    self.waiting.remove(w)
+                    self.top = max(self.top, w[2] + 1)
+                    changed = True
+        for w in list(self.waiting):
+            if self.passes > w[3]:  # seen in the previous poll too and still beyond anything reached
+                self.waiting.remove(w)
+                self.bad.append({"peer": w[0], "from": w[1], "to": w[2], "reached": self.top})
         self.passes += 1
 
     def round_of(self, pid: str) -> int:
@@ -193,13 +209,8 @@ class Progress:
         return max((self.round_of(p) for p in ids), default=0)
 
     def unjustified(self) -> list[dict[str, Any]]:
-        """Fast-forwards to a round beyond any honestly reached one (one poll of slack)."""
-        out = []
-        for (pid, to), (frm, seen) in self.ff.items():
-            bound = self.reached[min(seen + 1, len(self.reached) - 1)]
-            if to > bound:
-                out.append({"peer": pid, "from": frm, "to": to, "reached": bound})
-        return out
+        """Fast-forwards to a round beyond any honestly reached one (after a last poll or two)."""
+        return self.bad + [{"peer": w[0], "from": w[1], "to": w[2], "reached": self.top} for w in self.waiting]
 
 
 # -- the processes -------------------------------------------------------------------------------------
@@ -447,7 +458,7 @@ def run(cfg: Path, ids: list[str], base: Path, certs: Path, faults: list[Fault],
         while time.monotonic() - t0 < limit_s:
             prog.poll()
             now = time.monotonic() - t0
-            if math.isnan(first) and prog.reached[-1] > 0:
+            if math.isnan(first) and prog.top > 0:
                 first = now
             busy = {g.peer for _, g in restore}
             for f in list(pending):
@@ -507,6 +518,7 @@ def run(cfg: Path, ids: list[str], base: Path, certs: Path, faults: list[Fault],
                 _signal(p, signal.SIGKILL)
                 p.wait(10)
         hstats = hostile.stop() if hostile is not None else {}
+        prog.poll()
         prog.poll()
         wall = time.monotonic() - t0
         for pid in ids:
