@@ -52,6 +52,9 @@ def test_exactly_once_catches_a_duplicate_a_silent_gap_a_short_run_and_a_mixed_r
     got = soak.exactly_once(recs, 4, TOPO)
     assert not got["exactly_once"] and got["missing"] == [["p0", 2]]
     assert got["mixed_but_unrecorded"] == [["p0", 2, "p1"]]
+    recs = clean(6)
+    recs["p1"] = [rec("p1", 0), rec("p1", 1), rec("p1", 4, fast_forward_from=1), rec("p1", 5)]
+    assert soak.exactly_once(recs, 6, TOPO)["inconsistent_fast_forward"] == [["p1", 4, 1, 1]]
     recs = clean()
     recs["p2"].pop()  # never finished
     assert soak.exactly_once(recs, 4, TOPO)["missing"] == [["p2", 3]]
