@@ -35,8 +35,9 @@ Checked at the end, per mode (one JSON line, ``ok`` overall):
 * ``nan_count``: non-finite numbers in any record;
 * push-sum: ``mass_error_max`` (max over round boundaries of |sum_i mu_i - n|, each peer's last
   recorded mu) and ``mass_error_final``, both <= 1e-6; ``min_mu``;
-* hostile claims sent, refused (any status but OK; a Push answered OK with 0 bytes received is the
-  duplicate of one already mixed: refused), and ``moved_anyone``: a fast-forward to a round beyond
+* hostile claims sent, refused (any status but OK), answered as a repeat (a Push of a key the target
+  mixed before, behind its window: OK with 0 bytes, never mixed twice), accepted (mixed: must be 0),
+  and ``moved_anyone``: a fast-forward to a round beyond
   what any peer had honestly reached (the largest recorded round + 1 seen by the soak's poller, at
   most one poll later than the fast-forwarded record) -- whatever its cause;
 * accuracy: the faulted run's final mean accuracy (config seed ``--seed``) against the mean and
@@ -345,7 +346,7 @@ class Hostile(threading.Thread):
         self.rng, self.progress, self.ids = rng, progress, ids
         self.bursts: queue.Queue[str | None] = queue.Queue()
         self.lock = threading.Lock()
-        self.sent = self.refused = self.accepted = self.done = 0
+        self.sent = self.refused = self.repeats = self.accepted = self.done = 0
         self.codes: dict[str, int] = {}
         self.claims: list[dict[str, Any]] = []
         self.errors: list[str] = []
@@ -405,9 +406,9 @@ class Hostile(threading.Thread):
                             try:
                                 list(pull(peer_pb2.PullRequest(requester=me, round=r, step=0, topology_hash=h),
                                           timeout=5, metadata=md))
-                                self.count("OK", False)
+                                self.count("OK", "accepted")
                             except grpc.RpcError as e:
-                                self.count(e.code().name, True)
+                                self.count(e.code().name, "refused")
                     else:
                         g = torch.Generator().manual_seed(r)
                         numel = sum(s.numel for s in self.specs)
@@ -417,21 +418,23 @@ class Hostile(threading.Thread):
                             try:
                                 reply = push(iter(frames), timeout=5, metadata=md)
                                 dup = reply.bytes_received == 0
-                                self.count("OK_DUPLICATE" if dup else "OK", dup)
+                                self.count("OK_REPEAT" if dup else "OK", "repeat" if dup else "accepted")
                             except grpc.RpcError as e:
-                                self.count(e.code().name, True)
+                                self.count(e.code().name, "refused")
 
-    def count(self, code: str, refused: bool) -> None:
+    def count(self, code: str, how: str) -> None:
         with self.lock:
             self.sent += 1
-            self.refused += refused
-            self.accepted += not refused
+            self.refused += how == "refused"
+            self.repeats += how == "repeat"
+            self.accepted += how == "accepted"
             self.codes[code] = self.codes.get(code, 0) + 1
 
     def stop(self) -> dict[str, Any]:
         self.bursts.put(None)
         self.join(60)
-        return {"bursts": self.done, "claims_sent": self.sent, "refused": self.refused, "accepted": self.accepted,
+        return {"bursts": self.done, "claims_sent": self.sent, "refused": self.refused,
+                "answered_as_repeat": self.repeats, "accepted": self.accepted,
                 "answers": dict(sorted(self.codes.items())), "errors": self.errors[:5]}
 
 
