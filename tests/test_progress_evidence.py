@@ -123,6 +123,25 @@ def test_a_refused_claim_changes_no_state(certs: Path, mode: str) -> None:
         assert c.transports["p1"].proven_rounds(["p0"], ["p0"], 0.5) == {}
 
 
+def test_a_claim_behind_the_window_settles_nothing(certs: Path) -> None:
+    """Push-sum: a Push (and a withhold) from an in-neighbour's certificate for a round it really pushed
+    and this peer mixed, long ago (behind the window), with a claimed running total given of 1000. It is
+    answered as a repeat (OK with 0 bytes; the withhold ABORTED) -- and its claim settles nothing. Found by
+    bench/soak.py (seed 5, push): before, the duplicate settled the claim and the target's mu jumped by
+    998 (sum mu = n + 998 until the sender's debits clawed it back over 200 rounds)."""
+    topo = _ring(3)
+    mu = {"mu": 1.0}
+    with cluster(topo, topo.ids, certs, mode="push", scalar_keys=("mu",)) as c:
+        for r in range(6):  # every push mixed; p1 is now in round 6, its window rounds 4..8
+            res = c.exchange_all({p: message(topo, p, r, scalars=mu) for p in topo.ids})
+            assert all(not x.missing for x in res.values()), res
+        c.servers["p1"].set_round(6)
+        before = c.servers["p1"].absorbed()
+        codes = _attack(topo, "p1", certs, puller=None, pusher="p0", claims=[0, 1])
+        assert codes == [S.OK, S.ABORTED] * 2, codes  # answered as repeats of decided keys
+        assert c.servers["p1"].absorbed() == before and c.servers["p1"].pop_settled() == {}
+
+
 def test_only_a_validated_payload_proves_a_round(certs: Path) -> None:
     """Push mode: a push taken into the inbox is evidence of its round; an evidence Pull of a push-mode
     peer's published payload is evidence too (and is never mixed). A Status answer is not."""

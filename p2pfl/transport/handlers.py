@@ -210,7 +210,10 @@ class PeerHandlers:
             msg = dec.finish()
         except WireError as e:
             adm.reject(context, what, caller, status_for(e), e.message)
-        if claim is not None and cfg.mode == "push":  # a validated payload in the window: settle on it
+        if claim is not None and cfg.mode == "push" and self._inbox.in_window(r):
+            # a validated payload in the window: settle on it. A repeat of a decided key is answered
+            # (below) whatever its round, but behind the window its claim settles nothing: an honest
+            # sender's next push in the window carries its running total anyway (issue 68, the soak)
             self._ledger.settle_claim(caller, claim)
         mixed = self._inbox.offer(key, msg, dec.wire_bytes, context, claim)
         if isinstance(mixed, Rejected):

@@ -193,6 +193,10 @@ class Inbox:
                 self._offers.pop(key, None)
                 self._ledger.drop_claim(key)
 
+    def in_window(self, round: int) -> bool:
+        """Whether ``round`` is in this peer's window now (a claim made for it may settle)."""
+        return self._window.window_error(round) is None
+
     def withhold(self, key: Key, context: grpc.ServicerContext,
                  claim: float | None = None) -> tuple[grpc.StatusCode, str]:
         """A push that withholds its share: close ``key`` once this peer reaches its round.
@@ -221,8 +225,8 @@ class Inbox:
                 self._decided[key] = False
                 self._withheld.add(key)
                 self._cond.notify_all()
-        if claim is not None and cfg.mode == "push":  # the withhold was taken (not refused): it settles
-            self._ledger.settle_claim(key[0], claim)
+        if claim is not None and cfg.mode == "push" and self.in_window(r):  # taken (not refused): it settles
+            self._ledger.settle_claim(key[0], claim)  # (a decided key behind the window: answered, not settled)
         return grpc.StatusCode.ABORTED, f"round {r} step {s}: the sender withholds its share (it keeps its mass)"
 
     def unanswered(self, key: Key) -> None:
