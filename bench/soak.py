@@ -369,7 +369,7 @@ class Hostile(threading.Thread):
         import grpc
         import torch
 
-        from p2pfl.messages import Message
+        from p2pfl.payload import Payload
         from p2pfl.proto import peer_pb2
         from p2pfl.security import TLSConfig
         from p2pfl.transport.grpc_service import (
@@ -412,7 +412,7 @@ class Hostile(threading.Thread):
                     else:
                         g = torch.Generator().manual_seed(r)
                         numel = sum(s.numel for s in self.specs)
-                        msg = Message(me, r, 0, h, self.specs, torch.randn(numel, generator=g), {"mu": 1.0})
+                        msg = Payload(me, r, 0, h, self.specs, torch.randn(numel, generator=g), {"mu": 1.0})
                         frames = list(encode_frames(msg, self.chunk))
                         for md in (((GIVEN_MD, "1000.0"),), ((GIVEN_MD, "1000.0"), (KEEP_MD, "1"))):
                             try:
