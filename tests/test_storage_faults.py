@@ -15,11 +15,12 @@ test runs as root and may mount, on a real tmpfs filled up or remounted read-onl
 from __future__ import annotations
 
 import errno
+import importlib.util
 import logging
 import os
-import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -278,29 +279,12 @@ def test_a_read_only_run_folder_stops_every_peer_in_one_line_and_a_restart_resum
     _each_round_once(out, rounds)
 
 
-def _can_mount(tmp: Path) -> bool:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        return False
-    probe = tmp / "probe"
-    probe.mkdir()
-    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)], capture_output=True).returncode == 0
-    if ok:
-        subprocess.run(["umount", str(probe)], check=False)
-    return ok
-
-
-def _fill(path: Path) -> None:
-    """Take every free byte of the file system: ever smaller writes until even a page fails."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
-        for size in (1 << 20, 1 << 16, 1 << 12, 1):
-            try:
-                while True:
-                    os.write(fd, b"\0" * size)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC, exc
-    finally:
-        os.close(fd)
+# The soak's own helpers (bench/soak.py), one definition for both: whether a tmpfs can be mounted here,
+# and a ballast file that takes every free byte of a file system.
+_soak_spec = importlib.util.spec_from_file_location("bench_soak", Path(__file__).parents[1] / "bench" / "soak.py")
+soak = importlib.util.module_from_spec(_soak_spec)
+sys.modules["bench_soak"] = soak  # its dataclasses look their module up while they are made
+_soak_spec.loader.exec_module(soak)  # type: ignore[union-attr]
 
 
 @pytest.mark.timeout(120)
@@ -308,7 +292,7 @@ def _fill(path: Path) -> None:
 def test_a_real_tmpfs_full_or_read_only_at_a_random_round_is_waited_out(tmp_path: Path, kind: str) -> None:
     """The same on a real device: the run folder on a 16 MiB tmpfs that fills up (a filler file takes
     every free byte) or turns read-only (a read-only bind mount over it) for 1-3 s at a random round."""
-    if not _can_mount(tmp_path):
+    if not soak.can_mount(tmp_path):
         pytest.skip("needs root and mount (a tmpfs); the P2PFL_FAULT_STORAGE tests cover the rest")
     rng = fault_rng()
     rounds = 8
@@ -320,7 +304,7 @@ def test_a_real_tmpfs_full_or_read_only_at_a_random_round_is_waited_out(tmp_path
         with peers(cfg, out, tmp_path) as procs:
             random_instant(out, rng.choice(PEERS), rng, procs, tmp_path, 1, 4)
             if kind == "full":
-                _fill(out / "filler")
+                soak.fill(out / "filler")
             else:  # a read-only bind mount over it (a remount of the tmpfs itself is refused while files are open)
                 subprocess.run(["mount", "--bind", str(out), str(out)], check=True)
                 subprocess.run(["mount", "-o", "remount,bind,ro", str(out)], check=True)

@@ -857,8 +857,7 @@ def alexnet_section(cells: list[dict[str, Any]], ords: list[dict[str, Any]]) -> 
     for c in alex:
         twin = small.get(c["case"])
         rows.append([c["method"], fmt(c), f"{c['paper']:.2f}±{c['paper_spread']:g}", c["vs_paper"],
-                     {True: "yes", False: "no", None: "—"}[c["flattened"]]
-                     + ("" if c["gain_last_20pct_rounds_pts"] is None else f" ({c['gain_last_20pct_rounds_pts']:+.2f})"),
+                     flattened_text(c),
                      fmt(twin) if twin else NOT_RUN, c["status"], ", ".join(c.get("engines", [])) or "—"])
     doc += md_table(["method", "ours, AlexNet (%)", "paper", "vs paper", "flattened (gain, last 20 %)",
                      "ours, cnn_small (%)", "status", "engine (device)"], rows) + [""]
@@ -867,6 +866,12 @@ def alexnet_section(cells: list[dict[str, Any]], ords: list[dict[str, Any]]) -> 
         doc += ["Orderings with AlexNet: " + "; ".join(f"{o['claim']} {o['diff_pts']:+.2f} pts: {o['result']}"
                                                       for o in ran) + ".", ""]
     return doc
+
+
+def flattened_text(c: dict[str, Any]) -> str:
+    """A table's "flattened (gain, last 20 %)" cell."""
+    gain = c["gain_last_20pct_rounds_pts"]
+    return {True: "yes", False: "no", None: "—"}[c["flattened"]] + ("" if gain is None else f" ({gain:+.2f})")
 
 
 def closer_text(c: dict[str, Any]) -> str:
@@ -939,9 +944,7 @@ def authors_section(cells: list[dict[str, Any]], ords: list[dict[str, Any]], by_
                          "—" if pre.get("mean") is None else f"{pre['mean']:.2f}",
                          "—" if x["mean"] is None else f"{x['mean']:.2f}", f"{c['paper']:.2f}±{c['paper_spread']:g}",
                          c["vs_paper"] if c["ours_mean"] is not None else NOT_RUN, closer_text(c),
-                         {True: "yes", False: "no", None: "—"}[c["flattened"]]
-                         + ("" if c["gain_last_20pct_rounds_pts"] is None
-                            else f" ({c['gain_last_20pct_rounds_pts']:+.2f})"),
+                         flattened_text(c),
                          c["status"]])
         doc += [f"### {model}", ""]
         doc += md_table(["graph", "π", "method", "ours (personalized, %)", "before mixing (%)", "x̄ (%)", "paper",
@@ -1096,8 +1099,7 @@ def render(results: dict[str, Any], out: Path = RESULTS_MD, plots: bool = True) 
     for c in [c for c in cells if c["table"] in ("deprl-t1", "deprl-t7")]:
         x = c["avg_model"]
         rows.append([c["graph"], f"{c['pi']:g}", c["method"], fmt(c), f"{c['paper']:.2f}±{c['paper_spread']:g}",
-                     c["vs_paper"], {True: "yes", False: "no", None: "—"}[c["flattened"]]
-                     + ("" if c["gain_last_20pct_rounds_pts"] is None else f" ({c['gain_last_20pct_rounds_pts']:+.2f})"),
+                     c["vs_paper"], flattened_text(c),
                      "—" if x["mean"] is None else f"{x['mean']:.2f}", closer_text(c), c["status"],
                      ", ".join(c.get("engines", [])) or "—"])
     doc += md_table(["graph", "π", "method", "ours (personalized, %)", "paper", "vs paper", "flattened (gain, last 20 %)",

@@ -151,9 +151,7 @@ class Inbox:
         """
         cfg = self._config
         _, r, s = key
-        remaining = context.time_remaining()
-        limit = time.monotonic() + (cfg.max_wait_s if remaining is None else min(remaining, cfg.max_wait_s))
-        context.add_callback(self._window.wake)
+        limit = self._call_limit(context)
         with self._cond:
             if key in self._decided:
                 if self._decided[key]:
@@ -197,6 +195,14 @@ class Inbox:
         """Whether ``round`` is in this peer's window now (a claim made for it may settle)."""
         return self._window.window_error(round) is None
 
+    def _call_limit(self, context: grpc.ServicerContext) -> float:
+        """When a waiting call gives up: its own deadline or ``max_wait_s``, whichever comes first; the
+        call's end (deadline, cancel) wakes the waiters so the offer is withdrawn at once."""
+        remaining = context.time_remaining()
+        max_wait = self._config.max_wait_s
+        context.add_callback(self._window.wake)
+        return time.monotonic() + (max_wait if remaining is None else min(remaining, max_wait))
+
     def withhold(self, key: Key, context: grpc.ServicerContext,
                  claim: float | None = None) -> tuple[grpc.StatusCode, str]:
         """A push that withholds its share: close ``key`` once this peer reaches its round.
@@ -207,9 +213,7 @@ class Inbox:
         """
         cfg = self._config
         _, r, s = key
-        remaining = context.time_remaining()
-        limit = time.monotonic() + (cfg.max_wait_s if remaining is None else min(remaining, cfg.max_wait_s))
-        context.add_callback(self._window.wake)
+        limit = self._call_limit(context)
         with self._cond:
             why = None if key in self._decided else self._window.window_error(r)
             if why:
