@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent import futures
 
 import grpc
@@ -382,9 +382,9 @@ class PeerServer:
         """Per sender, the running total of push-sum weight this peer absorbed (goes into the checkpoint)."""
         return self.ledger.totals()
 
-    def restore_absorbed(self, totals: dict[str, float]) -> None:
-        """Set the running totals from a checkpoint (the state they are consistent with)."""
-        self.ledger.restore(totals)
+    def restore_absorbed(self, totals: dict[str, float], high: Mapping[str, float] | None = None) -> None:
+        """Set the running totals from a checkpoint (the state they are consistent with), and its high-water marks."""
+        self.ledger.restore(totals, high)
 
     def raise_absorbed(self, sender: str, total: float) -> float:
         """`ReceiverLedger.raise_to`: a total this peer durably had before a restart."""

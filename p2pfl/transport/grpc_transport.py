@@ -205,7 +205,8 @@ class GrpcTransport(Transport):
         """The running totals given (this peer as sender) and absorbed (as receiver), for the checkpoint."""
         if self.server.mode != "push":
             return None
-        return {"given": self.pusher.given(), "absorbed": self.server.absorbed()}
+        return {"given": self.pusher.given(), "offered": self.pusher.offered(), "absorbed": self.server.absorbed(),
+                "absorbed_high": self.server.ledger.highs()}
 
     def late_settlement(self) -> float:
         return sum(self.server.pop_settled().values()) + self.pusher.take_deferred()
@@ -217,8 +218,8 @@ class GrpcTransport(Transport):
         """Restore the running totals saved with the checkpoint being resumed (the state they match)."""
         if not isinstance(ledger, dict):
             return
-        self.pusher.restore_given(ledger.get("given") or {})
-        self.recovery.restore_checkpoint(ledger.get("absorbed") or {})
+        self.pusher.restore_given(ledger.get("given") or {}, ledger.get("offered"))
+        self.recovery.restore_checkpoint(ledger.get("absorbed") or {}, ledger.get("absorbed_high"))
 
     # ---- rejoin ------------------------------------------------------------------------------
 

@@ -29,13 +29,20 @@ from p2pfl.transport.grpc_service import PeerServer
 from p2pfl.transport.limits import bounded
 from p2pfl.transport.liveness import Liveness
 from p2pfl.transport.push_recovery import PushRecovery
-from p2pfl.transport.pushsum import Key, settle_budget
+from p2pfl.transport.pushsum import Key, debt_bound, settle_budget
 from p2pfl.transport.rpc import ABSORBED_MD, DECISION_ROUNDS, GIVEN_MD, KEEP_MD, TRANSPORT_LOG
 from p2pfl.wire.codec import EncodedPayload, encode_frames
 
 __all__ = ["PushClient", "PushFate", "load_pushes_log", "read_absorbed"]
 
 log = TRANSPORT_LOG
+
+#: A call that ended without the receiver's answer: the push may have been mixed there.
+_NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                        grpc.StatusCode.INTERNAL})
+
+#: How long a sender waits, after its deadline, for the fate of a push whose call ended unanswered.
+FATE_QUERY_S = 2.0
 
 #: A push's fate as the sender learns it: mixed or not, and the receiver's running total absorbed
 #: from this peer right after it (None when the reply carried none).
@@ -63,6 +70,10 @@ class PushClient:
         # Push-sum ledger, sender side: per out-neighbour, the running total of mu given to it
         # (checkpointed with the state; docs/protocol.md, "Push-sum mass").
         self._given: dict[str, float] = {}
+        # Per out-neighbour, the running total of the shares ever pushed to it, whatever their fate:
+        # more than that cannot have been absorbed there (`pushsum.debt_bound`). None: not known (a
+        # checkpoint written before it was kept), so a receiver's report is not bounded.
+        self._offered: dict[str, float] | None = {}
         self._deferred = 0.0  # settlement the node could not apply yet without breaking the floor (pushsum.debit)
         self._pushes_log = pushes_log
         self._mixed_pushes = load_pushes_log(pushes_log, server.round) if pushes_log is not None else set()
@@ -75,10 +86,16 @@ class PushClient:
         with self._lock:
             return dict(self._given)
 
-    def restore_given(self, given: Mapping[str, Any]) -> None:
-        """The totals given saved with the checkpoint being resumed."""
+    def offered(self) -> dict[str, float] | None:
+        """Per out-neighbour, the running total of the shares pushed to it (goes into the checkpoint)."""
+        with self._lock:
+            return None if self._offered is None else dict(self._offered)
+
+    def restore_given(self, given: Mapping[str, Any], offered: Mapping[str, Any] | None = None) -> None:
+        """The totals given (and offered) saved with the checkpoint being resumed."""
         with self._lock:
             self._given = {str(k): float(v) for k, v in dict(given).items()}
+            self._offered = None if offered is None else {str(k): float(v) for k, v in dict(offered).items()}
 
     def defer(self, amount: float) -> None:
         with self._lock:
@@ -107,7 +124,9 @@ class PushClient:
         tag = f"round {message.round} step {message.step}"
         with self._lock:
             claims = {k: self._given.get(k, 0.0) for k in plan.out_weights}
-        pushes = {k: self._pool.submit(self._push_checked, k, payload, deadline, tag, claims[k], withhold)
+        mu = float(message.scalars.get("mu", 0.0))
+        pushes = {k: self._pool.submit(self._push_checked, k, payload, deadline, tag, claims[k], withhold,
+                                       plan.out_weights[k] * mu)
                   for k in plan.out_weights}
         self.pushes = list(pushes.values())
         keys = [(j, message.round, message.step) for j in plan.in_weights]
@@ -161,8 +180,13 @@ class PushClient:
         budget = settle_budget(keep, plan.self_weight, mu, last=last)
         owed = 0.0
         with self._lock:
-            for k, (ok, absorbed) in fates.items():
+            for k, (ok, told) in fates.items():
                 total = self._given.get(k, 0.0) + (plan.out_weights[k] * mu if ok else 0.0)
+                offered = None if self._offered is None else self._offered.get(k, 0.0)
+                absorbed = debt_bound(told, offered)
+                if told is not None and absorbed is not None and told > absorbed:
+                    log.warning("%s %s: %s reports it absorbed %.6g from this peer in total, more than was ever "
+                                "pushed to it (%.6g); counted only up to that", self.peer_id, tag, k, told, absorbed)
                 if absorbed is not None and absorbed > total:
                     pay = min(absorbed - total, max(0.0, budget - owed))
                     owed += pay
@@ -176,10 +200,11 @@ class PushClient:
     # ---- one push --------------------------------------------------------------------------------
 
     def _push_checked(self, peer: str, payload: EncodedPayload, deadline: float, tag: str,
-                      claim: float = 0.0, withhold: bool = False) -> PushFate:
+                      claim: float = 0.0, withhold: bool = False, share: float = 0.0) -> PushFate:
         key = (peer, int(payload.header.round), int(payload.header.step))
         if key in self._mixed_pushes:  # mixed before this peer restarted: the same payload, not again
             log.info("%s %s: push to %s was mixed before the restart", self.peer_id, tag, peer)
+            self._offer(peer, share)
             self.server.gave(peer, key[1], key[2], payload)
             return True, None
         live = self._liveness
@@ -187,6 +212,8 @@ class PushClient:
             live.refusals.note(key[1], peer, live.unanswered_probe(peer))
             log.warning("%s %s: push to %s skipped: neighbour is down; its share stays here", self.peer_id, tag, peer)
             return False, None
+        if not withhold:
+            self._offer(peer, share)
         md: tuple[tuple[str, str], ...] = ((GIVEN_MD, repr(float(claim))),)
         if withhold:
             md += ((KEEP_MD, "1"),)
@@ -199,12 +226,18 @@ class PushClient:
         The receiver answers only when it decided (mixed, or closed the step without it), so a
         push's fate is never ambiguous while the receiver is reachable. UNAVAILABLE and
         ALREADY_EXISTS (an earlier attempt is still being withdrawn) are retried with backoff within
-        the deadline; anything else, or the deadline, means not mixed: the sender keeps the share.
+        the deadline; any other answer means not mixed: the sender keeps the share. A call that
+        ended without an answer (its deadline passed, it was cancelled or broke: this peer may have
+        been stalled while the receiver mixed it and said OK) is asked once more, briefly, after the
+        deadline (`_ask_fate`): the receiver answers a decided key from its decision.
         """
         nbr = self._channels.get(peer)
         live = self._liveness
         why = "deadline passed before the push started"
         attempt = 0
+        sent = False  # some attempt may have reached the receiver: its fate is asked before giving up
+        keep = any(k == KEEP_MD for k, _ in metadata)
+        told: float | None = None  # the receiver's total absorbed, if an answer said it
         while (left := deadline - time.monotonic()) > 0:
             try:
                 _, call = nbr.push.with_call(iter(payload), timeout=left, wait_for_ready=True,
@@ -212,29 +245,75 @@ class PushClient:
             except grpc.RpcError as e:
                 code = e.code()
                 why = f"{code.name}: {bounded(e.details() or '', 300)}"
+                if code in _NO_ANSWER and not keep:  # ended unanswered: asked once more below
+                    sent, told = True, read_absorbed(e)
+                    break
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS):
-                    live.refusals.note(int(payload.header.round), peer, why)
-                    told = read_absorbed(e)  # a refusal still tells this peer's total absorbed there
-                    if why.startswith("ABORTED") and any(k == KEEP_MD for k, _ in metadata):
-                        return False, told  # withheld on purpose: the receiver knows; nothing failed
-                    live.failed(peer, why)
-                    log.warning("%s %s: push to %s not mixed (%s); its share stays here", self.peer_id, tag,
-                                peer, why[:300])
-                    return False, told
+                    return self._refused(peer, payload, tag, why, read_absorbed(e), keep)
                 attempt += 1
                 time.sleep(min(backoff_s(attempt), max(0.0, deadline - time.monotonic())))
                 continue
-            with self._lock:
-                self._pushed += payload.wire_bytes
-            self.server.gave(peer, int(payload.header.round), int(payload.header.step), payload)
-            self._note_mixed(peer, int(payload.header.round), int(payload.header.step))
-            live.mark_up(peer)
-            live.refusals.note(int(payload.header.round), peer, None)
-            return True, read_absorbed(call)
+            return self._mixed(peer, payload, call)
+        if sent:
+            fate = self._ask_fate(peer, payload, tag, metadata)
+            if fate is not None:
+                return fate
         live.refusals.note(int(payload.header.round), peer, why)
         live.failed(peer, why)
         log.warning("%s %s: push to %s not mixed (%s); its share stays here", self.peer_id, tag, peer, why[:300])
-        return False, None
+        return False, told
+
+    def _ask_fate(self, peer: str, payload: EncodedPayload, tag: str,
+                  metadata: tuple[tuple[str, str], ...]) -> PushFate | None:
+        """The same push once more, for at most ``FATE_QUERY_S``, not waiting for a connection: a key the
+        receiver decided is answered from its decision (OK with 0 bytes: it was mixed; ABORTED: not),
+        an undecided one is offered as usual. None: no answer (the receiver is down or stalled too);
+        the share stays here, and if it was mixed after all the ledger settles it (rule 6).
+
+        Why: a sender stalled (SIGSTOP, swap, a long GC) past its call's deadline while the receiver
+        mixed its push and answered OK never hears that OK; keeping the share made both ends count it
+        until the ledger paid it back over the next rounds (the 600-round soak: 0.329 for 5 rounds)."""
+        try:
+            _, call = self._channels.get(peer).push.with_call(iter(payload), timeout=FATE_QUERY_S,
+                                                              wait_for_ready=False, metadata=metadata or None)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code in _NO_ANSWER or code == grpc.StatusCode.UNAVAILABLE:
+                return None
+            why = f"{code.name}: {bounded(e.details() or '', 300)}"
+            return self._refused(peer, payload, tag, why, read_absorbed(e), False)
+        log.warning("%s %s: push to %s: its call ended unanswered, but the receiver had mixed it (asked again)",
+                    self.peer_id, tag, peer)
+        return self._mixed(peer, payload, call)
+
+    def _mixed(self, peer: str, payload: EncodedPayload, call: Any) -> PushFate:
+        """The receiver answered OK: the share is given (logged first, so a restart does not push it again)."""
+        with self._lock:
+            self._pushed += payload.wire_bytes
+        self.server.gave(peer, int(payload.header.round), int(payload.header.step), payload)
+        self._note_mixed(peer, int(payload.header.round), int(payload.header.step))
+        live = self._liveness
+        live.mark_up(peer)
+        live.refusals.note(int(payload.header.round), peer, None)
+        return True, read_absorbed(call)
+
+    def _refused(self, peer: str, payload: EncodedPayload, tag: str, why: str, told: float | None,
+                 keep: bool) -> PushFate:
+        """The receiver answered, and not OK: the share stays here. A refusal still tells this peer's total
+        absorbed there (``told``)."""
+        live = self._liveness
+        live.refusals.note(int(payload.header.round), peer, why)
+        if why.startswith("ABORTED") and keep:
+            return False, told  # withheld on purpose: the receiver knows; nothing failed
+        live.failed(peer, why)
+        log.warning("%s %s: push to %s not mixed (%s); its share stays here", self.peer_id, tag, peer, why[:300])
+        return False, told
+
+    def _offer(self, peer: str, share: float) -> None:
+        """``share`` may reach ``peer`` from now on (a push about to leave, or one mixed before a restart)."""
+        with self._lock:
+            if self._offered is not None:
+                self._offered[peer] = self._offered.get(peer, 0.0) + share
 
     def _note_mixed(self, peer: str, round: int, step: int) -> None:
         """Append (fsync'd) that ``peer`` mixed this peer's (round, step) push: it survives a kill."""

@@ -51,13 +51,16 @@ class PushRecovery:
         if pushes_log is not None and server.mode == "push":
             server.ledger.log_path = pushes_log.with_suffix(".absorbed")
             self._logged = load_absorb_log(server.ledger.log_path, server.round)
+            for j, _, _, total in self._logged:  # totals told in an OK: an honest sender may claim up to them
+                server.ledger.raise_high(j, total)
             if restarted:
                 server.ledger.held = frozenset(topology.possible_in_neighbours(peer_id))
 
-    def restore_checkpoint(self, absorbed: Mapping[str, float]) -> None:
-        """The totals absorbed saved with the checkpoint being resumed: the server's ledger and the log's base."""
+    def restore_checkpoint(self, absorbed: Mapping[str, float], high: Mapping[str, float] | None = None) -> None:
+        """The totals absorbed saved with the checkpoint being resumed: the server's ledger and the log's
+        base; ``high``: the checkpoint's high-water marks (`ReceiverLedger.restore`)."""
         self._ckpt_absorbed = {str(k): float(v) for k, v in dict(absorbed).items()}
-        self.server.restore_absorbed(self._ckpt_absorbed)
+        self.server.restore_absorbed(self._ckpt_absorbed, high)
 
     def start(self, round: int, keys: Sequence[Key], deadline: float, pool: futures.ThreadPoolExecutor) -> None:
         """In the resumed round, ask each sender of ``keys`` for its push in parallel (answers land in

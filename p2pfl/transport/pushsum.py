@@ -36,9 +36,10 @@ from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 from p2pfl.storage import append_line
+from p2pfl.transport.rpc import SERVICE_LOG
 
-__all__ = ["FINAL_RESERVE", "MU_FLOOR", "SETTLE_FRACTION", "ReceiverLedger", "claim_credit", "debit", "logged_totals",
-           "settle_budget", "withholds"]
+__all__ = ["FINAL_RESERVE", "MU_FLOOR", "SETTLE_FRACTION", "ReceiverLedger", "claim_credit", "debit", "debt_bound",
+           "logged_totals", "settle_budget", "withholds"]
 
 #: Below this weight (the mean is 1) a peer short of an in-neighbour's share keeps its whole share.
 MU_FLOOR = 0.5
@@ -71,12 +72,29 @@ def settle_budget(keep: float, self_weight: float, mu: float, *, last: bool) -> 
     return max(0.0, min(keep * SETTLE_FRACTION, keep - self_weight * min(mu, MU_FLOOR)))
 
 
-def claim_credit(claim: float | None, absorbed: float) -> float:
+def claim_credit(claim: float | None, absorbed: float, high: float | None = None) -> float:
     """What a receiver absorbs when a sender's running total given (``claim``, before its push) exceeds
-    its own running total absorbed from it: the pushes it mixed and lost with its state."""
-    if claim is None or claim <= absorbed:
+    its own running total absorbed from it: the pushes it mixed and lost with its state.
+
+    ``high`` is the most this peer ever had absorbed from that sender (its durable high-water mark:
+    checkpoint and write-ahead log). An honest sender's total given never exceeds it -- every total
+    it holds is one this peer told it in an ``OK`` (and logged first) -- so a claim above it is
+    evidence of nothing and counts only up to it (issue 68: an in-window claim of 1000 settled 997)."""
+    if claim is None:
         return 0.0
-    return claim - absorbed
+    if high is not None:
+        claim = min(claim, high)
+    return claim - absorbed if claim > absorbed else 0.0
+
+
+def debt_bound(absorbed: float | None, offered: float | None) -> float | None:
+    """The receiver's reported total absorbed, counted only up to ``offered``: the running total of the
+    shares this sender ever offered it (pushed, whatever their fate). A receiver cannot have absorbed
+    more than was pushed to it, so a larger report is evidence of nothing (a hostile receiver would
+    otherwise drain its sender's weight to the floor, step after step). None: no report."""
+    if absorbed is None or offered is None:
+        return absorbed
+    return min(absorbed, offered)
 
 
 def debit(mu: float, amount: float, floor: float, *, last: bool) -> tuple[float, float]:
@@ -133,6 +151,9 @@ class ReceiverLedger:
         self._after: dict[Key, float] = {}
         self._shares: dict[Key, float] = {}
         self._settled: dict[str, float] = {}
+        #: Per sender, the most ever absorbed from it (checkpointed, raised by the write-ahead log's
+        #: lines): the bound on what an honest sender can claim it gave (`claim_credit`).
+        self._high: dict[str, float] = {}
         #: Senders whose claims are ignored until a restarted peer's resumed round is over: its recovery
         #: (rule 4) and write-ahead log restore what it lost; a claim on top would count it twice.
         self.held: frozenset[str] = frozenset()
@@ -148,10 +169,28 @@ class ReceiverLedger:
         with self._lock:
             return self._totals.get(sender, 0.0)
 
-    def restore(self, totals: Mapping[str, float]) -> None:
-        """The totals of the checkpoint being resumed (the state they are consistent with)."""
+    def restore(self, totals: Mapping[str, float], high: Mapping[str, float] | None = None) -> None:
+        """The totals of the checkpoint being resumed (the state they are consistent with), and its
+        high-water marks (a checkpoint without them: the totals)."""
         with self._lock:
             self._totals = {str(k): float(v) for k, v in totals.items()}
+            marks = dict(self._high)  # raised by the write-ahead log's lines already read
+            for k, v in self._totals.items():
+                marks[k] = max(marks.get(k, 0.0), v)
+            for k, v in dict(high or {}).items():
+                marks[str(k)] = max(marks.get(str(k), 0.0), float(v))
+            self._high = marks
+
+    def highs(self) -> dict[str, float]:
+        """Per sender, the most ever absorbed from it (goes into the checkpoint)."""
+        with self._lock:
+            return dict(self._high)
+
+    def raise_high(self, sender: str, total: float) -> None:
+        """A total this peer once logged as absorbed from ``sender`` (its write-ahead log): the mark rises to it."""
+        with self._lock:
+            if total > self._high.get(sender, 0.0):
+                self._high[sender] = total
 
     def raise_to(self, sender: str, total: float) -> float:
         """Raise the total absorbed from ``sender`` to ``total`` (one this peer durably had before a
@@ -161,6 +200,7 @@ class ReceiverLedger:
             if total <= have:
                 return 0.0
             self._totals[sender] = total
+            self._high[sender] = max(self._high.get(sender, 0.0), total)
             return total - have
 
     # -- settlement ---------------------------------------------------------------------------------
@@ -182,9 +222,11 @@ class ReceiverLedger:
         with self._lock:
             if sender in self.held:
                 return
-            credit = claim_credit(claim, self._totals.get(sender, 0.0))
+            have = self._totals.get(sender, 0.0)
+            self._warn_above_high(sender, claim)
+            credit = claim_credit(claim, have, self._high.get(sender, 0.0))
             if credit:
-                self._totals[sender] = claim
+                self._totals[sender] = min(claim, self._high.get(sender, 0.0))  # the sender's own total: A = G
                 self._settled[sender] = self._settled.get(sender, 0.0) + credit
 
     # -- one push's life ----------------------------------------------------------------------------
@@ -206,13 +248,17 @@ class ReceiverLedger:
         with self._lock:
             total = self._totals.get(j, 0.0)
             claim = self._claims.pop(key, None)
-            credit = 0.0 if j in self.held else claim_credit(claim, total)
+            high = self._high.get(j, 0.0)
+            if j not in self.held:
+                self._warn_above_high(j, claim)
+            credit = 0.0 if j in self.held else claim_credit(claim, total, high)
             if credit:
                 self._settled[j] = self._settled.get(j, 0.0) + credit
                 assert claim is not None
-                total = claim  # exactly the sender's total (not a sum that may round): A = G again
+                total = min(claim, high)  # exactly the sender's total (not a sum that may round): A = G again
             total = total + share
             self._totals[j] = total
+            self._high[j] = max(high, total)
             self._after[key] = total
             self._shares[key] = share
             self._log(j, r, s, total)
@@ -243,6 +289,13 @@ class ReceiverLedger:
         with self._lock:
             self._after.pop(key, None)
             self._shares.pop(key, None)
+
+    def _warn_above_high(self, sender: str, claim: float | None) -> None:
+        """(lock held) One line when ``sender`` claims more than this peer ever absorbed from it."""
+        high = self._high.get(sender, 0.0)
+        if claim is not None and claim > high:
+            SERVICE_LOG.warning("push-sum: %r claims it gave %.6g in total, more than was ever absorbed from it "
+                                "here (%.6g); counted only up to that", sender, claim, high)
 
     def _log(self, j: str, r: int, s: int, total: float) -> None:
         """Append (fsync'd) the total absorbed from ``j`` after (r, s): durable before the OK leaves."""
