@@ -536,3 +536,63 @@ def test_a_receiver_reporting_more_than_was_ever_pushed_to_it_moves_no_weight(
             res = c.exchange_all({p: message(topo, p, r, scalars=mu) for p in topo.ids})
             assert all(x.mu_settle == 0.0 for x in res.values()), (r, res)
         assert "reports it absorbed 1000 from this peer in total" in caplog.text
+
+
+def test_a_full_disk_under_the_write_ahead_log_holds_no_lock_and_mixes_once_it_frees(
+        certs_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The receiver's write-ahead log line must be durable before its OK leaves. With the disk full it
+    used to be retried for the whole storage budget *inside* `take`, holding the server's lock: no
+    Pull, Push or Status answered meanwhile. Now it is tried once per pass; the push waits in the inbox
+    (not mixed, nothing changed), the lock is released between tries, and once the disk frees the push
+    is mixed in the same step: Status answers within a second throughout, no push is missing, and the
+    edge's totals agree."""
+    from p2pfl.storage import FAULT_ENV
+
+    topo = ring(3)
+    mu = {"mu": 1.0}
+    flag = tmp_path / "fault"
+    monkeypatch.setenv(FAULT_ENV, str(flag))
+    with cluster(topo, topo.ids, certs_dir, mode="push", scalar_keys=("mu",)) as c:
+        c.servers["p1"].ledger.log_path = tmp_path / "p1.absorbed"
+        c.exchange_all({p: message(topo, p, 0, scalars=mu) for p in topo.ids})
+        flag.write_text("ENOSPC")
+        slowest: list[float] = []
+
+        def watch() -> None:  # Status calls to p1 while its disk is full
+            p0 = c.transports["p0"]
+            end = time.monotonic() + 2.5
+            while time.monotonic() < end:
+                t0 = time.monotonic()
+                p0.proven_rounds(["p1"], ["p1"], 3.0)
+                slowest.append(time.monotonic() - t0)
+                time.sleep(0.1)
+            flag.unlink()
+
+        t = threading.Thread(target=watch)
+        t.start()
+        res = c.exchange_all({p: message(topo, p, 1, scalars=mu) for p in topo.ids}, deadline_s=8.0)
+        t.join(10)
+        assert not flag.exists()
+        assert slowest and max(slowest) < 1.0, slowest
+        assert all(not x.missing and not x.undelivered for x in res.values()), res
+        given, absorbed = edge_totals(c, topo.ids)
+        assert given == absorbed
+        assert "pushes wait until it can" in caplog.text
+        lines = (tmp_path / "p1.absorbed").read_text().splitlines()
+        from p2pfl.transport.pushsum import parse_absorb_line
+        got = [parse_absorb_line(x) for x in lines]
+        assert None not in got and sorted(g[:3] for g in got if g) == [("p0", 0, 0), ("p0", 1, 0), ("p2", 0, 0), ("p2", 1, 0)]
+
+
+def test_a_torn_write_ahead_log_line_is_dropped_not_misread(tmp_path: Path) -> None:
+    """A line cut by a full disk or a kill can have a whole line's shape (``p0 3 0 0.7`` from
+    ``p0 3 0 0.75``), and the next append puts a newline after it: only its CRC tells it apart."""
+    from p2pfl.transport.push_recovery import load_absorb_log
+    from p2pfl.transport.pushsum import absorb_line
+
+    whole = absorb_line("p0", 3, 0, 0.75)
+    log = tmp_path / "p1.absorbed"
+    log.write_text(absorb_line("p0", 2, 0, 0.5) + "\n" + "p0 3 0 0.7\n" + whole[:-3] + "\n" + whole + "\n"
+                   + absorb_line("p2", 3, 0, 0.25)[:12])
+    assert load_absorb_log(log, 3) == [("p0", 3, 0, 0.75)]
+    assert log.read_text() == whole + "\n"  # the log keeps just the whole lines of rounds >= 3

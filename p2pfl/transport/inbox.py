@@ -72,10 +72,11 @@ class Inbox:
             while True:
                 for key in keys:
                     if key[0] not in out and key in self._entries and self._offer_alive(key):
+                        if not self._absorb(key, self._entries[key][0]):
+                            continue  # its log line could not be written: it waits (retried below, lock released)
                         out[key[0]] = self._entries.pop(key)
                         self._offers.pop(key, None)
                         self._decided[key] = True
-                        self._absorb(key, out[key[0]][0])
                 # A sender already pushing a later round gave this one up (it keeps that share):
                 # do not wait for it, or a receiver one round behind would stay behind for good.
                 waited = {k for k in waited if not self._moved_on(k) and self._decided.get(k) is not False}
@@ -246,14 +247,15 @@ class Inbox:
 
     # ---- internals (lock held) --------------------------------------------------------------------
 
-    def _absorb(self, key: Key, msg: Payload) -> None:
-        """Ledger of a push being mixed: its share is the weight ``combine`` is about to apply,
-        W[i, j] * mu_j (`ReceiverLedger.absorb` settles the sender's claim first)."""
+    def _absorb(self, key: Key, msg: Payload) -> bool:
+        """Ledger of a push about to be mixed: its share is the weight ``combine`` is about to apply,
+        W[i, j] * mu_j (`ReceiverLedger.absorb` settles the sender's claim first). False: its
+        write-ahead log line could not be written now, so it is not mixed yet."""
         cfg = self._config
         if cfg.mode != "push" or cfg.topology is None:
-            return
+            return True
         j, r, s = key
-        self._ledger.absorb(key, cfg.plan(r, s).in_weights.get(j, 0.0) * float(msg.scalars.get("mu", 0.0)))
+        return self._ledger.absorb(key, cfg.plan(r, s).in_weights.get(j, 0.0) * float(msg.scalars.get("mu", 0.0)))
 
     def _moved_on(self, key: Key) -> bool:
         """Whether the sender of ``key`` already offers a later round or step (a push waiting here)."""

@@ -20,7 +20,7 @@ from p2pfl.storage import atomic_write
 from p2pfl.topology import Topology
 from p2pfl.transport.grpc_service import PeerServer
 from p2pfl.transport.pull_client import PullClient
-from p2pfl.transport.pushsum import Key, logged_totals
+from p2pfl.transport.pushsum import Key, logged_totals, parse_absorb_line
 from p2pfl.transport.rpc import TRANSPORT_LOG
 
 __all__ = ["PushRecovery", "load_absorb_log"]
@@ -115,20 +115,15 @@ class PushRecovery:
 
 def load_absorb_log(path: Path, round: int) -> list[tuple[str, int, int, float]]:
     """The write-ahead log's lines (sender, round, step, total absorbed after it) at rounds >= ``round``,
-    in order; the log keeps just those lines. A line torn by a kill is dropped (its OK was never sent)."""
+    in order; the log keeps just those lines. A line torn by a kill or a full disk fails its CRC and is
+    dropped (its OK was never sent: the OK leaves only after the whole line is fsync'd)."""
     lines: list[tuple[str, int, int, float]] = []
     keep: list[str] = []
     if path.exists():
         for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) != 4 or not (parts[1].isdigit() and parts[2].isdigit()):
-                continue
-            try:
-                total = float(parts[3])
-            except ValueError:
-                continue
-            if int(parts[1]) >= round and total == total and total >= 0:
-                lines.append((parts[0], int(parts[1]), int(parts[2]), total))
+            got = parse_absorb_line(line)
+            if got is not None and got[1] >= round:
+                lines.append(got)
                 keep.append(line)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, "".join(x + "\n" for x in keep))

@@ -31,15 +31,17 @@ depends on the algorithm.
 
 from __future__ import annotations
 
+import math
 import threading
+import zlib
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
-from p2pfl.storage import append_line
+from p2pfl.storage import STORAGE_ERRNOS, append_line
 from p2pfl.transport.rpc import SERVICE_LOG
 
-__all__ = ["FINAL_RESERVE", "MU_FLOOR", "SETTLE_FRACTION", "ReceiverLedger", "claim_credit", "debit", "debt_bound",
-           "logged_totals", "settle_budget", "withholds"]
+__all__ = ["FINAL_RESERVE", "MU_FLOOR", "SETTLE_FRACTION", "ReceiverLedger", "absorb_line", "claim_credit", "debit",
+           "debt_bound", "logged_totals", "parse_absorb_line", "settle_budget", "withholds"]
 
 #: Below this weight (the mean is 1) a peer short of an in-neighbour's share keeps its whole share.
 MU_FLOOR = 0.5
@@ -132,6 +134,29 @@ def logged_totals(base: Mapping[str, float], lines: Iterable[tuple[str, int, int
 Key = tuple[str, int, int]  # (sender, round, step) of a push
 
 
+def absorb_line(sender: str, round: int, step: int, total: float) -> str:
+    """One line of the receiver's write-ahead log: the fields and their CRC-32. The CRC tells a line
+    torn by a full disk or a kill (``p0 3 0 0.7`` cut from ``p0 3 0 0.75``: the same shape, another
+    total) from a whole one; a torn line is later followed by a newline, so shape alone cannot."""
+    body = f"{sender} {round} {step} {total!r}"
+    return f"{body} {zlib.crc32(body.encode()):08x}"
+
+
+def parse_absorb_line(line: str) -> tuple[str, int, int, float] | None:
+    """(sender, round, step, total) of a whole `absorb_line`, or None (torn, or not one)."""
+    body, _, crc = line.rstrip("\n").rpartition(" ")
+    parts = body.split()
+    if len(parts) != 4 or not (parts[1].isdigit() and parts[2].isdigit()) or crc != f"{zlib.crc32(body.encode()):08x}":
+        return None
+    try:
+        total = float(parts[3])
+    except ValueError:
+        return None
+    if not (math.isfinite(total) and total >= 0):
+        return None
+    return parts[0], int(parts[1]), int(parts[2]), total
+
+
 class ReceiverLedger:
     """The receiver side of the push-sum ledger (rule 6), owned by a push-mode `PeerServer`.
 
@@ -158,6 +183,7 @@ class ReceiverLedger:
         #: (rule 4) and write-ahead log restore what it lost; a claim on top would count it twice.
         self.held: frozenset[str] = frozenset()
         self.log_path: Path | None = None
+        self._log_failing = False  # the write-ahead log's last append failed (one warning a spell)
 
     # -- the totals ---------------------------------------------------------------------------------
     def totals(self) -> dict[str, float]:
@@ -241,27 +267,35 @@ class ReceiverLedger:
         with self._lock:
             self._claims.pop(key, None)
 
-    def absorb(self, key: Key, share: float) -> None:
+    def absorb(self, key: Key, share: float) -> bool:
         """``key`` is being mixed (lock held by `take`): settle its claim, then add its ``share``
-        (the weight ``combine`` applies: W[i, j] * mu_j); logged before the OK can leave."""
+        (the weight ``combine`` applies: W[i, j] * mu_j); logged before the OK can leave.
+
+        The log line is written once, not retried: False when the storage refused it (nothing
+        changed; `take` leaves the push waiting and tries again after releasing the lock, so a full
+        disk never holds the server's lock for the storage's retry budget)."""
         j, r, s = key
         with self._lock:
             total = self._totals.get(j, 0.0)
-            claim = self._claims.pop(key, None)
+            claim = self._claims.get(key)
             high = self._high.get(j, 0.0)
-            if j not in self.held:
-                self._warn_above_high(j, claim)
             credit = 0.0 if j in self.held else claim_credit(claim, total, high)
             if credit:
-                self._settled[j] = self._settled.get(j, 0.0) + credit
                 assert claim is not None
                 total = min(claim, high)  # exactly the sender's total (not a sum that may round): A = G again
             total = total + share
+            if not self._log_once(j, r, s, total):
+                return False
+            if j not in self.held:
+                self._warn_above_high(j, claim)
+            self._claims.pop(key, None)
+            if credit:
+                self._settled[j] = self._settled.get(j, 0.0) + credit
             self._totals[j] = total
             self._high[j] = max(high, total)
             self._after[key] = total
             self._shares[key] = share
-            self._log(j, r, s, total)
+            return True
 
     def answered(self, key: Key) -> float:
         """The total to tell the sender of ``key`` (right after it was mixed, or now); the share is final."""
@@ -297,7 +331,26 @@ class ReceiverLedger:
             SERVICE_LOG.warning("push-sum: %r claims it gave %.6g in total, more than was ever absorbed from it "
                                 "here (%.6g); counted only up to that", sender, claim, high)
 
+    def _log_once(self, j: str, r: int, s: int, total: float) -> bool:
+        """`_log` in one attempt: False (one warning per failing spell) when the storage refuses it."""
+        if self.log_path is None:
+            return True
+        try:
+            append_line(self.log_path, absorb_line(j, r, s, total), retry=False)
+        except OSError as exc:
+            if exc.errno not in STORAGE_ERRNOS:
+                raise
+            if not self._log_failing:
+                SERVICE_LOG.warning("push-sum: %s: cannot append: %s; pushes wait until it can (not mixed meanwhile)",
+                                    self.log_path, exc.strerror or exc)
+            self._log_failing = True
+            return False
+        if self._log_failing:
+            SERVICE_LOG.warning("push-sum: %s: appending again", self.log_path)
+        self._log_failing = False
+        return True
+
     def _log(self, j: str, r: int, s: int, total: float) -> None:
         """Append (fsync'd) the total absorbed from ``j`` after (r, s): durable before the OK leaves."""
         if self.log_path is not None:  # a whole line, fsync'd; a storage fault retried (p2pfl.storage)
-            append_line(self.log_path, f"{j} {r} {s} {total!r}")
+            append_line(self.log_path, absorb_line(j, r, s, total))
