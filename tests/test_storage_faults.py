@@ -215,7 +215,11 @@ def _each_round_once(out: Path, rounds: int) -> None:
 
 
 def _storage_lines(tmp: Path) -> int:
-    return sum((tmp / f"{pid}.log").read_text().count("storage: ") for pid in PEERS)
+    """Log lines saying a write failed: the durable writer's retries, and the push-sum receiver's
+    write-ahead log line (tried once per pass while the push waits; in push mode a full disk stops
+    every step there, before any metrics or checkpoint is written)."""
+    lines = [x for pid in PEERS for x in (tmp / f"{pid}.log").read_text().splitlines()]
+    return sum(1 for x in lines if "storage: " in x or ("push-sum: " in x and "cannot append: " in x))
 
 
 def _hold_until_struck(tmp: Path, seconds: float, bound_s: float = 30.0) -> None:
@@ -228,14 +232,33 @@ def _hold_until_struck(tmp: Path, seconds: float, bound_s: float = 30.0) -> None
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(120)
-def test_a_full_disk_at_a_random_round_is_waited_out(tmp_path: Path) -> None:
+def _mode(mode: str) -> dict:
+    """tiny_config's arguments for a mode: pull (dfedavg, ring) or push-sum (dfedpgp, directed ring)."""
+    if mode == "pull":
+        return {}
+    return {"kind": "directed_ring", "algorithm": {"name": "dfedpgp", "mix_mode": "push", "body_local": 1,
+                                                  "head_local": 1}}
+
+
+def _mass_kept(out: Path, mode: str, rounds: int) -> None:
+    """Push-sum: sum of the peers' durable weights = n at the end, nothing NaN (`test_pushsum_faults`)."""
+    if mode == "push":
+        from tests.test_pushsum_faults import assert_mass_and_finite
+
+        assert_mass_and_finite(out, rounds)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_full_disk_at_a_random_round_is_waited_out(tmp_path: Path, mode: str) -> None:
     """Every write of all four peers fails with ENOSPC (half a line, half a checkpoint written) for 1-3 s
-    from a random round: they retry, their neighbours wait, and all finish with every round once."""
+    from a random round: they retry, their neighbours wait, and all finish with every round once. In
+    push-sum the receivers' write-ahead log lines fail too (pushes wait, unmixed): the mass stays n."""
     rng = fault_rng()
     rounds = 8
     ctl = tmp_path / "storage-fault"
-    cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds, network={"round_timeout_s": 60.0})
+    cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds, network={"round_timeout_s": 60.0},
+                      **_mode(mode))
     out = tmp_path / "run"
     with peers(cfg, out, tmp_path, env={FAULT_ENV: str(ctl)}) as procs:
         random_instant(out, rng.choice(PEERS), rng, procs, tmp_path, 1, 4)
@@ -247,18 +270,22 @@ def test_a_full_disk_at_a_random_round_is_waited_out(tmp_path: Path) -> None:
     _each_round_once(out, rounds)
     _no_traceback(tmp_path)
     assert _storage_lines(tmp_path) >= 1  # it did strike, and was logged on one line
+    _mass_kept(out, mode, rounds)
 
 
-@pytest.mark.timeout(150)
-def test_a_read_only_run_folder_stops_every_peer_in_one_line_and_a_restart_resumes(tmp_path: Path) -> None:
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_read_only_run_folder_stops_every_peer_in_one_line_and_a_restart_resumes(tmp_path: Path, mode: str) -> None:
     """The run folder turns read-only at a random round and stays so past the retry budget (1 s): every
     peer stops with one line ``error: PATH: ... Read-only file system ...`` and exit 74, no traceback;
-    restarted once it is writable, they resume and every round is recorded exactly once."""
+    restarted once it is writable, they resume and every round is recorded exactly once (push-sum: and
+    the mass is n at the end, whatever each peer had mixed, logged or checkpointed when it stopped)."""
     rng = fault_rng()
     rounds = 8
     ctl = tmp_path / "storage-fault"
     cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds,
-                      network={"round_timeout_s": 4.0, "probe_s": 0.5}, checkpoint={"storage_retry_s": 1.0})
+                      network={"round_timeout_s": 4.0, "probe_s": 0.5}, checkpoint={"storage_retry_s": 1.0},
+                      **_mode(mode))
     out = tmp_path / "run"
     env = {FAULT_ENV: str(ctl)}
     with peers(cfg, out, tmp_path, env=env) as procs:
@@ -277,6 +304,7 @@ def test_a_read_only_run_folder_stops_every_peer_in_one_line_and_a_restart_resum
             assert p.wait(90) == 0, (tmp_path / f"{pid}.log").read_text()[-3000:]
     assert all("resum" in (tmp_path / f"{pid}.log").read_text() for pid in PEERS)
     _each_round_once(out, rounds)
+    _mass_kept(out, mode, rounds)
 
 
 # The soak's own helpers (bench/soak.py), one definition for both: whether a tmpfs can be mounted here,
