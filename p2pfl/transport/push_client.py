@@ -276,6 +276,8 @@ class PushClient:
         try:
             _, call = self._channels.get(peer).push.with_call(iter(payload), timeout=FATE_QUERY_S,
                                                               wait_for_ready=False, metadata=metadata or None)
+        except ValueError:  # the channel was closed meanwhile (this peer is shutting down): no answer
+            return None
         except grpc.RpcError as e:
             code = e.code()
             if code in _NO_ANSWER or code == grpc.StatusCode.UNAVAILABLE:
