@@ -168,13 +168,24 @@ def _stamp_records() -> None:
 
     make_node = Experiment.make_node
     cpu0: dict[int, float] = {}
+    # this process's start-up as a rank: (wall, CPU) from its start to its first Node, plus building its Nodes
+    built: dict[int, list[float]] = {}
+    began: dict[int, tuple[float, float]] = {}
 
     def stamping(self: Any, pid: str, *args: Any, record: Any, **kwargs: Any) -> Any:
         def stamped(rec: dict[str, Any]) -> None:
-            rec[STAMP] = (time.monotonic(), time.process_time() - cpu0.get(os.getpid(), 0.0), os.getpid())
+            me = os.getpid()
+            rec[STAMP] = (time.monotonic(), time.process_time() - cpu0.get(me, 0.0), me, *built[me])
             record(rec)
 
-        return make_node(self, pid, *args, record=stamped, **kwargs)
+        me, w0, c0 = os.getpid(), time.monotonic(), time.process_time()
+        if me not in built:  # its first Node: the rank's own set-up (group, board, model) before it
+            t_start, c_start = began.get(me, (w0, c0))
+            built[me] = [w0 - t_start, c0 - c_start]
+        node = make_node(self, pid, *args, record=stamped, **kwargs)
+        built[me][0] += time.monotonic() - w0
+        built[me][1] += time.process_time() - c0
+        return node
 
     Experiment.make_node = stamping  # type: ignore[method-assign]
     run_rank = simulation._run_rank
@@ -187,7 +198,10 @@ def _stamp_records() -> None:
             with open(f"/proc/{os.getppid()}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             parent_cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK
-        print("FORK " + json.dumps({"w": ranks.rank, "parent_cpu": parent_cpu, "t": time.monotonic()}), flush=True)
+        began[os.getpid()] = (time.monotonic(), time.process_time())
+        line = "FORK " + json.dumps({"w": ranks.rank, "pid": os.getpid(), "parent_cpu": parent_cpu, "t": time.monotonic()})
+        sys.stdout.flush()
+        os.write(1, (line + "\n").encode())  # one write: the ranks share the pipe, a line must not interleave
         run_rank(ranks, *args, **kwargs)
 
     simulation._run_rank = started
@@ -206,9 +220,11 @@ def _round_figures(metrics: Path, peers: int, rounds: int) -> dict[str, Any]:
     t_max: dict[int, float] = {}
     cpu: dict[tuple[int, int], list[float]] = {}  # (round, worker pid) -> its CPU stamps of the round
     count: dict[int, int] = {}
+    build: dict[int, tuple[float, float]] = {}  # worker pid -> (wall, CPU) of its set-up and building its Nodes
     for line in metrics.read_text().splitlines():
         rec = json.loads(line)
-        r, (t, c, pid) = int(rec["round"]), rec[STAMP]
+        r, (t, c, pid, b_wall, b_cpu) = int(rec["round"]), rec[STAMP]
+        build[pid] = max(build.get(pid, (0.0, 0.0)), (b_wall, b_cpu))
         t_sum[r] = t_sum.get(r, 0.0) + t
         t_max[r] = max(t_max.get(r, 0.0), t)
         cpu.setdefault((r, pid), []).append(c)
@@ -227,7 +243,7 @@ def _round_figures(metrics: Path, peers: int, rounds: int) -> dict[str, Any]:
             "cpu_s_per_round": sum(per_worker.values()),
             # a worker's CPU from its fork to the (mean) end of round 0, less one round: building its peers
             "worker_startup_cpu_s": max(mean_cpu(0, p) - per_worker[p] for p in pids),
-            "end0": mean[0], "end_last": t_max[rounds - 1],
+            "end0": mean[0], "end_last": t_max[rounds - 1], "build": {str(p): v for p, v in build.items()},
             "round_s": [round(mean[r] - mean[r - 1], 3) for r in range(1, rounds)]}
 
 
@@ -299,12 +315,20 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
 
     res = parsed(next(ln for ln in reversed(out.splitlines()) if ln.startswith("RESULT ")), "RESULT ")
     forks = [parsed(ln, "FORK ") for ln in out.splitlines() if ln.startswith("FORK ")]
-    # CPU seconds before the first round can start on an idle machine: the forking process's work
-    # (imports, config, dataset, partition, run folder) plus the slowest worker building its peers
-    startup_cpu = max((f["parent_cpu"] for f in forks), default=0.0) + res["worker_startup_cpu_s"]
+    # Start-up: the forking process's work (imports, config, dataset, partition, run folder) until
+    # the ranks start, plus the slowest rank's own set-up and building of its Nodes (stamped in it).
+    parent_cpu = max((f["parent_cpu"] for f in forks), default=0.0)
+    start_t = {f["pid"]: f["t"] for f in forks}
+    build = {int(p): v for p, v in res["build"].items()}
+    startup = max(start_t[p] - t0 + w for p, (w, _) in build.items())
+    startup_cpu = parent_cpu + max(c for _, c in build.values())
+    # The earlier measure: to the mean end of round 0, less one steady round. It counts about half a
+    # round of training as start-up: every peer of round 0 waits for all the others' first training
+    # (the first exchange), while in a steady round their ends are spread over the round.
+    end0_cpu = parent_cpu + res["worker_startup_cpu_s"]
     idle_round = res["cpu_s_per_round"] / max(1, res["workers"])  # a round's wall time if no one else ran
     spr = res["s_per_round"]
-    startup = res["end0"] - t0 - spr
+    end0 = res["end0"] - t0 - spr
     tail = res["t_done"] - res["end_last"]
     fig = {
         "peers": n, "workers": res["workers"], "rounds": args.rounds,
@@ -315,6 +339,10 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "startup_share_10": round(startup / (startup + 10 * spr + tail), 4),
         "startup_cpu_s": round(startup_cpu, 2),
         "startup_cpu_share_10": round(startup_cpu / (startup_cpu + 10 * idle_round), 4),
+        "startup_end0_s": round(end0, 2), "startup_end0_share_10": round(end0 / (end0 + 10 * spr + tail), 4),
+        "startup_end0_cpu_s": round(end0_cpu, 2),
+        "startup_end0_cpu_share_10": round(end0_cpu / (end0_cpu + 10 * idle_round), 4),
+        "parent_cpu_s": round(parent_cpu, 2), "build_cpu_s": round(max(c for _, c in build.values()), 2),
         "total_s": round(time.monotonic() - t0, 2),
         **{f"{k}_mb": round(v, 1) for k, v in sampler.peak.items()},
         "state_kb_per_peer": round(res["state_bytes"] / 1024, 1), "param_kb": round(res["param_bytes"] / 1024, 1),

@@ -230,6 +230,29 @@ def one_malloc_arena() -> None:
         pass
 
 
+def release_free_memory() -> None:
+    """Return the free pages inside glibc malloc's heap to the system (``malloc_trim(0)``; a no-op off glibc).
+
+    A rank allocates and frees blocks the size of a peer's parameters all the time (the copy a peer
+    mixes into, the payloads from other ranks, the exchange buffers), between blocks that live on
+    (other peers' parameters): the freed ones become holes in the heap that glibc neither returns
+    to the system nor always reuses. Measured at 1,024 peers in one process: 541 MB of the heap
+    free against 550 MB in use. (Sending such blocks to mappings of their own instead, with a
+    fixed M_MMAP_THRESHOLD, also sent a training step's activations there: twice the CPU per
+    peer at 128 peers.) A trim costs a rank milliseconds, and the pages it releases fault in again
+    when reused; the exchange step calls it at most every ``TRIM_EVERY_S``.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to release
+        pass
+
+
 def worker_cores(workers: int) -> list[int] | None:
     """A core of its own for each of ``workers`` worker processes when they are exactly as many as
     the cores this process may use (``sched_getaffinity``; a sweep running cells side by side gives
@@ -287,6 +310,7 @@ def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str,
     probe = exp.new_algorithm()
     specs, scalar_keys, topology_hash = probe.wire_specs(), frozenset(probe.wire_scalars()), exp.topology.hash()
     del probe
+    trimmed = time.monotonic()
     pending: list[dict[str, Any]] = []  # records for rank 0
     # this rank's failure (the first), then those other ranks reported (rank 0): what to raise
     errors: list[BaseException] = []
@@ -326,7 +350,7 @@ def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str,
                 errors.append(StorageError(path, problem))
 
     def exchange(flags: int) -> procgroup.Step:
-        nonlocal failure_seen
+        nonlocal failure_seen, trimmed
         if pending:
             _pack(outboxes[0], _RECORDS, "".join(json.dumps(r) + "\n" for r in pending).encode())
             pending.clear()
@@ -339,6 +363,10 @@ def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str,
         for buf in step.received:
             if len(buf):
                 deliver(buf)
+        del out
+        if time.monotonic() - trimmed >= TRIM_EVERY_S:  # the step's buffers are gone: free pages back
+            release_free_memory()
+            trimmed = time.monotonic()
         if step.any(FAILED):
             failure_seen = True
             if not hub.aborted:
@@ -412,6 +440,8 @@ def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str,
 # Entries of the byte buffer one rank sends another at a step: kind (1 byte), body length (8 bytes), body.
 #: The payload bytes one step sends a rank, at most (one payload more when a single one is larger).
 STEP_BYTES = 32 << 20
+#: Seconds between two `release_free_memory` calls of a rank, at least (one at most per exchange step).
+TRIM_EVERY_S = 0.25
 _PAYLOAD, _RECORDS, _ERROR, _STORAGE = b"P", b"R", b"E", b"S"
 _ENTRY = struct.Struct("<cQ")
 # A payload's body: round, step, wire size, local readers, sender id length, frame count; then the
