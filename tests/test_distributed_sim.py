@@ -231,10 +231,9 @@ def test_payload_entry_from_frame_parts_is_the_frames_entry() -> None:
     copied once, into the outbox): the same entry as from the built frames."""
     import torch
 
+    from p2pfl.models.layout import TensorSpec
     from p2pfl.payload import Payload
     from p2pfl.wire.codec import encode_frames
-
-    from p2pfl.models.layout import TensorSpec
 
     spec = TensorSpec("w", (70_000,), 0, 70_000)
     msg = Payload("p3", 2, 0, "h", (spec,), torch.arange(70_000, dtype=torch.float32), {"mu": 0.5})
