@@ -57,6 +57,25 @@ inflated and noisy, CPU figures less so; one run each):
   CPU ms), start-up 60 s wall / 40 CPU s (13 % of 10 rounds), 156 s for the whole run; peak PSS
   12.3 GB (main 0.69 GB, workers 12.0 GB), ~1.2 MB per peer beyond the 128-peer run: 3.7-4x a
   peer's 313 KB of parameters (D-PSGD keeps no optimizer state).
+* memory and start-up (2026-12-06, same host, load average 4-9 from other jobs; one run each):
+  before (e5363b4, main): ``--sizes 128,1024 --rounds 3``: 128 13.53 CPU ms/peer, PSS 812 MB;
+  1024 11.65 CPU ms/peer, PSS 2123 MB, 1463 KB per extra peer (4.56x the state), start-up 7.2
+  CPU s (end of round 0). ``--sizes 4096 --rounds 4``: 12.10 CPU ms/peer, 14.72 ms/peer wall, PSS
+  6302 MB, start-up 15.0 CPU s (end of round 0).
+  after (4fb748a for 1024, ada92ad for the rest): ``--sizes 128,1024 --rounds 3``: 128 14.87 CPU
+  ms/peer, PSS 750 MB; 1024 11.12 CPU ms/peer, PSS 1275 MB, 586 KB per extra peer (1.83x),
+  start-up 3.6 CPU s (7.9 by the end of round 0). ``--sizes 4096 --rounds 4``: 12.19 CPU ms/peer,
+  PSS 3094 MB (half), start-up 5.3 CPU s (15.8 by the end of round 0). ``--sizes 128,10000
+  --rounds 10`` (25 minutes): 128 21.0 ms/peer (16.1 CPU ms); 10,000 143 s/round, 14.3 ms/peer
+  (10.4 CPU ms), ``cost_ratio_10000_vs_128`` 0.679 (CPU 0.642); start-up 18.0 s / 8.8 CPU s (6.05
+  in the forking process, 2.75 in the slower rank's set-up and Node building): 1.2 % of 10 rounds
+  (CPU 1.7 %; by the end of round 0: 29.7 s / 15.5 CPU s, 2.0 % / 2.9 %); peak PSS 6.65 GB (main
+  3.34, workers 3.35), 598 KB per peer beyond the 128-peer run: 1.86x a peer's 313 KB. The 10,000
+  peers' CPU per peer-round is twice the 5.0 ms above, not because of these changes: main and
+  this branch cost the same at 4096 peers, 4 rounds (12.10 and 12.19 CPU ms, above; 7.9 in the
+  earlier 2-round figure). Most likely the 2-round figures were low: with 2 rounds the estimate
+  is (end of round 1 - end of round 0), and when all of round 0's payloads crossed in one
+  exchange step, round 1's records came before about half of a round's training.
 
 Usage: python bench/scale.py [--sizes 128,1024,4096,10000] [--rounds 4] [--workers 2] [--set KEY=VALUE]
 Quick look: python bench/scale.py --sizes 128,1024 --rounds 3
