@@ -16,13 +16,21 @@ Figures, per size:
   the start-up of the peers (their Nodes are built in their first turn) and is not timed.
   ``ms_per_peer``: ``s_per_round`` / peers; ``cpu_ms_per_peer``: the ranks' CPU (process time,
   exchange steps included) over the same span, per peer and round.
-* ``startup_s``: from launching the child to the (mean) end of round 0, less one steady round: imports,
-  config, dataset and partition, topology, run folder, forking, and building every peer's Node.
-  ``startup_share_10``: its share of a 10-round run, startup / (startup + 10 rounds + tail).
-  ``startup_cpu_s``: the same in CPU seconds, load-independent: the forking process's CPU when the
-  workers fork plus the slowest worker's CPU to the end of round 0 less one round
-  (``startup_cpu_share_10``: its share of 10 rounds at the workers' CPU per round spread over the
-  workers, i.e. the share on an idle machine).
+* ``startup_s``: from launching the child to the start of the rounds: the forking process's work
+  until the ranks start (imports, config, dataset and partition, topology, run folder, forking),
+  plus the slowest rank's own set-up (its group, board and model) and the building of its peers'
+  Nodes (each is built in its peer's first turn, interleaved with round 0: the rank stamps the
+  time it spends in ``make_node``). ``startup_cpu_s``: the same in CPU seconds, load-independent
+  (``parent_cpu_s`` + ``build_cpu_s``). ``startup_share_10``: its share of a 10-round run,
+  startup / (startup + 10 rounds + tail); ``startup_cpu_share_10``: the CPU share against 10
+  rounds at the workers' CPU per round spread over the workers (the share on an idle machine).
+  ``startup_end0_s``/``startup_end0_cpu_s`` (and their ``_share_10``): the measure of the figures
+  before 4fb748a, to the (mean) end of round 0 less one steady round. It counts part of round 0's
+  training as start-up: in round 0 no peer can record before every peer's first training (their
+  payloads cross between the ranks in the first exchange steps), so the mean end of round 0 falls
+  later than one steady round after the start, where the peers' ends are spread over the round
+  (at 1,024 peers, 3 rounds: 7.9 CPU s by that measure against 3.6 by this one, of which 0.24
+  building Nodes; the 4.3 s between them are about 0.75 of a worker's round, 5.7 CPU s).
   ``tail_s``: from the end of the last round (its last peer) to `simulate` returning (teardown, sorted metrics,
   summary, plot).
 * ``main_rss_mb``/``main_pss_mb``: the peak of the child (the process that forks the other ranks, is
@@ -49,6 +57,25 @@ inflated and noisy, CPU figures less so; one run each):
   CPU ms), start-up 60 s wall / 40 CPU s (13 % of 10 rounds), 156 s for the whole run; peak PSS
   12.3 GB (main 0.69 GB, workers 12.0 GB), ~1.2 MB per peer beyond the 128-peer run: 3.7-4x a
   peer's 313 KB of parameters (D-PSGD keeps no optimizer state).
+* memory and start-up (2026-12-06, same host, load average 4-9 from other jobs; one run each):
+  before (e5363b4, main): ``--sizes 128,1024 --rounds 3``: 128 13.53 CPU ms/peer, PSS 812 MB;
+  1024 11.65 CPU ms/peer, PSS 2123 MB, 1463 KB per extra peer (4.56x the state), start-up 7.2
+  CPU s (end of round 0). ``--sizes 4096 --rounds 4``: 12.10 CPU ms/peer, 14.72 ms/peer wall, PSS
+  6302 MB, start-up 15.0 CPU s (end of round 0).
+  after (4fb748a for 1024, ada92ad for the rest): ``--sizes 128,1024 --rounds 3``: 128 14.87 CPU
+  ms/peer, PSS 750 MB; 1024 11.12 CPU ms/peer, PSS 1275 MB, 586 KB per extra peer (1.83x),
+  start-up 3.6 CPU s (7.9 by the end of round 0). ``--sizes 4096 --rounds 4``: 12.19 CPU ms/peer,
+  PSS 3094 MB (half), start-up 5.3 CPU s (15.8 by the end of round 0). ``--sizes 128,10000
+  --rounds 10`` (25 minutes): 128 21.0 ms/peer (16.1 CPU ms); 10,000 143 s/round, 14.3 ms/peer
+  (10.4 CPU ms), ``cost_ratio_10000_vs_128`` 0.679 (CPU 0.642); start-up 18.0 s / 8.8 CPU s (6.05
+  in the forking process, 2.75 in the slower rank's set-up and Node building): 1.2 % of 10 rounds
+  (CPU 1.7 %; by the end of round 0: 29.7 s / 15.5 CPU s, 2.0 % / 2.9 %); peak PSS 6.65 GB (main
+  3.34, workers 3.35), 598 KB per peer beyond the 128-peer run: 1.86x a peer's 313 KB. The 10,000
+  peers' CPU per peer-round is twice the 5.0 ms above, not because of these changes: main and
+  this branch cost the same at 4096 peers, 4 rounds (12.10 and 12.19 CPU ms, above; 7.9 in the
+  earlier 2-round figure). Most likely the 2-round figures were low: with 2 rounds the estimate
+  is (end of round 1 - end of round 0), and when all of round 0's payloads crossed in one
+  exchange step, round 1's records came before about half of a round's training.
 
 Usage: python bench/scale.py [--sizes 128,1024,4096,10000] [--rounds 4] [--workers 2] [--set KEY=VALUE]
 Quick look: python bench/scale.py --sizes 128,1024 --rounds 3
@@ -168,13 +195,24 @@ def _stamp_records() -> None:
 
     make_node = Experiment.make_node
     cpu0: dict[int, float] = {}
+    # this process's start-up as a rank: (wall, CPU) from its start to its first Node, plus building its Nodes
+    built: dict[int, list[float]] = {}
+    began: dict[int, tuple[float, float]] = {}
 
     def stamping(self: Any, pid: str, *args: Any, record: Any, **kwargs: Any) -> Any:
         def stamped(rec: dict[str, Any]) -> None:
-            rec[STAMP] = (time.monotonic(), time.process_time() - cpu0.get(os.getpid(), 0.0), os.getpid())
+            me = os.getpid()
+            rec[STAMP] = (time.monotonic(), time.process_time() - cpu0.get(me, 0.0), me, *built[me])
             record(rec)
 
-        return make_node(self, pid, *args, record=stamped, **kwargs)
+        me, w0, c0 = os.getpid(), time.monotonic(), time.process_time()
+        if me not in built:  # its first Node: the rank's own set-up (group, board, model) before it
+            t_start, c_start = began.get(me, (w0, c0))
+            built[me] = [w0 - t_start, c0 - c_start]
+        node = make_node(self, pid, *args, record=stamped, **kwargs)
+        built[me][0] += time.monotonic() - w0
+        built[me][1] += time.process_time() - c0
+        return node
 
     Experiment.make_node = stamping  # type: ignore[method-assign]
     run_rank = simulation._run_rank
@@ -187,7 +225,10 @@ def _stamp_records() -> None:
             with open(f"/proc/{os.getppid()}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             parent_cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK
-        print("FORK " + json.dumps({"w": ranks.rank, "parent_cpu": parent_cpu, "t": time.monotonic()}), flush=True)
+        began[os.getpid()] = (time.monotonic(), time.process_time())
+        line = "FORK " + json.dumps({"w": ranks.rank, "pid": os.getpid(), "parent_cpu": parent_cpu, "t": time.monotonic()})
+        sys.stdout.flush()
+        os.write(1, (line + "\n").encode())  # one write: the ranks share the pipe, a line must not interleave
         run_rank(ranks, *args, **kwargs)
 
     simulation._run_rank = started
@@ -206,9 +247,11 @@ def _round_figures(metrics: Path, peers: int, rounds: int) -> dict[str, Any]:
     t_max: dict[int, float] = {}
     cpu: dict[tuple[int, int], list[float]] = {}  # (round, worker pid) -> its CPU stamps of the round
     count: dict[int, int] = {}
+    build: dict[int, tuple[float, float]] = {}  # worker pid -> (wall, CPU) of its set-up and building its Nodes
     for line in metrics.read_text().splitlines():
         rec = json.loads(line)
-        r, (t, c, pid) = int(rec["round"]), rec[STAMP]
+        r, (t, c, pid, b_wall, b_cpu) = int(rec["round"]), rec[STAMP]
+        build[pid] = max(build.get(pid, (0.0, 0.0)), (b_wall, b_cpu))
         t_sum[r] = t_sum.get(r, 0.0) + t
         t_max[r] = max(t_max.get(r, 0.0), t)
         cpu.setdefault((r, pid), []).append(c)
@@ -227,7 +270,7 @@ def _round_figures(metrics: Path, peers: int, rounds: int) -> dict[str, Any]:
             "cpu_s_per_round": sum(per_worker.values()),
             # a worker's CPU from its fork to the (mean) end of round 0, less one round: building its peers
             "worker_startup_cpu_s": max(mean_cpu(0, p) - per_worker[p] for p in pids),
-            "end0": mean[0], "end_last": t_max[rounds - 1],
+            "end0": mean[0], "end_last": t_max[rounds - 1], "build": {str(p): v for p, v in build.items()},
             "round_s": [round(mean[r] - mean[r - 1], 3) for r in range(1, rounds)]}
 
 
@@ -250,7 +293,7 @@ def child_main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="p2pfl-scale-") as tmp:
         topo = generate("random_regular", n, k=4, seed=0, name=f"random4-{n}")
         path = Path(tmp) / f"random4-{n}.yaml"
-        path.write_text(yaml.safe_dump(topo.to_dict(), sort_keys=False))
+        path.write_text(yaml.dump(topo.to_dict(), Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper), sort_keys=False))
         cfg = load_config(args.config, [*PROTOCOL, f"rounds={args.rounds}", f"simulation.workers={args.workers}",
                                         f"topology={path}", *args.set])
         exp = Experiment.from_config(cfg)
@@ -299,12 +342,20 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
 
     res = parsed(next(ln for ln in reversed(out.splitlines()) if ln.startswith("RESULT ")), "RESULT ")
     forks = [parsed(ln, "FORK ") for ln in out.splitlines() if ln.startswith("FORK ")]
-    # CPU seconds before the first round can start on an idle machine: the forking process's work
-    # (imports, config, dataset, partition, run folder) plus the slowest worker building its peers
-    startup_cpu = max((f["parent_cpu"] for f in forks), default=0.0) + res["worker_startup_cpu_s"]
+    # Start-up: the forking process's work (imports, config, dataset, partition, run folder) until
+    # the ranks start, plus the slowest rank's own set-up and building of its Nodes (stamped in it).
+    parent_cpu = max((f["parent_cpu"] for f in forks), default=0.0)
+    start_t = {f["pid"]: f["t"] for f in forks}
+    build = {int(p): v for p, v in res["build"].items()}
+    startup = max(start_t[p] - t0 + w for p, (w, _) in build.items())
+    startup_cpu = parent_cpu + max(c for _, c in build.values())
+    # The earlier measure: to the mean end of round 0, less one steady round. It counts about half a
+    # round of training as start-up: every peer of round 0 waits for all the others' first training
+    # (the first exchange), while in a steady round their ends are spread over the round.
+    end0_cpu = parent_cpu + res["worker_startup_cpu_s"]
     idle_round = res["cpu_s_per_round"] / max(1, res["workers"])  # a round's wall time if no one else ran
     spr = res["s_per_round"]
-    startup = res["end0"] - t0 - spr
+    end0 = res["end0"] - t0 - spr
     tail = res["t_done"] - res["end_last"]
     fig = {
         "peers": n, "workers": res["workers"], "rounds": args.rounds,
@@ -315,6 +366,10 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Any]:
         "startup_share_10": round(startup / (startup + 10 * spr + tail), 4),
         "startup_cpu_s": round(startup_cpu, 2),
         "startup_cpu_share_10": round(startup_cpu / (startup_cpu + 10 * idle_round), 4),
+        "startup_end0_s": round(end0, 2), "startup_end0_share_10": round(end0 / (end0 + 10 * spr + tail), 4),
+        "startup_end0_cpu_s": round(end0_cpu, 2),
+        "startup_end0_cpu_share_10": round(end0_cpu / (end0_cpu + 10 * idle_round), 4),
+        "parent_cpu_s": round(parent_cpu, 2), "build_cpu_s": round(max(c for _, c in build.values()), 2),
         "total_s": round(time.monotonic() - t0, 2),
         **{f"{k}_mb": round(v, 1) for k, v in sampler.peak.items()},
         "state_kb_per_peer": round(res["state_bytes"] / 1024, 1), "param_kb": round(res["param_bytes"] / 1024, 1),

@@ -60,6 +60,11 @@ def staleness_plan(plan: MixingPlan, staleness: dict[str, int], exp: float) -> M
     return dataclasses.replace(plan, in_weights=weights)
 
 
+def _shares_storage(t: torch.Tensor, params: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of ``params``' memory (the Node then publishes it without a copy)."""
+    return t.device == params.device and t.untyped_storage().data_ptr() == params.untyped_storage().data_ptr()
+
+
 class Node:
     def __init__(self, *, peer_id: str, topology: Topology, algorithm: Algorithm, app: PeerApp,
                  transport: Transport, models: ModelPool, layout: ParamLayout, state: PeerState,
@@ -245,9 +250,13 @@ class Node:
         for step in range(self.algorithm.gossip_steps()):
             plan = self.topology.plan(self.peer_id, r, step, seed=self.seed, mode=self.algorithm.mode)
             flat, scalars = self.algorithm.outgoing(self.state, r, step)
-            # A snapshot: the published payload must not change when this peer mixes.
+            # The published payload must not change when this peer mixes. A view of the parameters is
+            # published as it is (no copy while the peer waits for its neighbours: at 10,000 peers
+            # nearly all of a worker's peers wait at once), and the parameters move to a copy of
+            # their own just before mixing (copy on write); anything else is published as a snapshot.
+            aliased = _shares_storage(flat, self.state.params)
             msg = Payload(self.peer_id, r, step, self.topology_hash, self.algorithm.wire_specs(),
-                          flat.detach().clone(), dict(scalars))
+                          flat.detach() if aliased else flat.detach().clone(), dict(scalars))
             # What crosses the wire (an attacker's fault, compression); `msg` stays the self term.
             wire_msg = self.pipeline.send(msg, self.state.extra) if self.pipeline else msg
             if self.protocol.asynchronous:
@@ -293,6 +302,8 @@ class Node:
                         gap.add_(f)
                     gap.sub_(msg.flat[:n], alpha=k)
                 consensus = float(torch.linalg.vector_norm(gap)) / k
+            if aliased:  # copy on write: the published payload keeps the old buffer
+                self.state.params = self.state.params.clone()
             self.algorithm.combine(self.state, r, step, msg, res.received, plan)
             if plan.mode == "push":
                 self._short = bool(res.missing or res.withheld)

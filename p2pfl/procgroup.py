@@ -97,9 +97,9 @@ class Ranks:
         """One exchange step, called by every rank in the same order: ``outgoing[r]`` goes to rank r
         (this rank's own entry is ignored); returns what the others sent here and everyone's flags.
 
-        ``outgoing`` is emptied once its buffers are copied into the one tensor the collective sends,
-        so a step holds the bytes it sends twice only for that copy (a round's payloads for other
-        ranks can be gigabytes: docs/scale.md)."""
+        ``outgoing`` is emptied once its buffers are in the one tensor the collective sends (the one
+        buffer itself when only one rank gets bytes, as always with two ranks; else a copy of them
+        all), so a step holds the bytes it sends at most twice, only for that copy."""
         self.steps += 1
         if self.world == 1:
             return Step([memoryview(b"")], [flags], 0)
@@ -119,7 +119,11 @@ class Ranks:
             return Step([memoryview(b"")] * self.world, all_flags, 0)
         send_splits = sizes
         recv_splits = [int(rows[r][self.rank]) for r in range(self.world)]
-        payload = bytearray().join(bytes(0) if r == self.rank else outgoing[r] for r in range(self.world))
+        sending = [r for r in range(self.world) if send_splits[r]]
+        if len(sending) == 1:  # one destination (always so with two ranks): its buffer as it is, no copy
+            payload = outgoing[sending[0]]
+        else:
+            payload = bytearray().join(bytes(0) if r == self.rank else outgoing[r] for r in range(self.world))
         outgoing.clear()
         send = (torch.frombuffer(payload, dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8))
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.device)

@@ -102,6 +102,23 @@ def test_two_and_four_forked_ranks_equal_one_process(algo: str, ref_root: Path, 
         print(f"{algo}: 1 process {_reference[algo][1]:.1f} s, {ranks} ranks {wall:.1f} s")
 
 
+@needs_fmnist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("algo", ["dpsgd", "dfedpgp-push"])
+def test_one_payload_per_step_equals_one_process(algo: str, ref_root: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """With STEP_BYTES so small that each exchange step carries one payload to a rank (the others wait
+    in the rank's queue for later steps, earliest reader first), 4 ranks record what one process does."""
+    from p2pfl.engine import exact
+
+    monkeypatch.setattr(exact, "STEP_BYTES", 1)  # the forked ranks inherit it
+    monkeypatch.setattr(exact, "TRIM_EVERY_S", 0.0)  # and trim at every step
+    ref = _one_process(algo, ref_root)
+    cfg = load_config(DEMO, [*SHORT, *ALGORITHMS[algo], "simulation.workers=4"])
+    assert simulate(cfg, tmp_path / "r4", progress=False)["workers"] == 4
+    assert_same_run(ref, tmp_path / "r4")
+
+
 def _torchrun() -> list[str]:
     exe = Path(sys.executable).with_name("torchrun")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
@@ -207,6 +224,24 @@ def test_the_bytes_between_ranks_carry_payload_frames_records_and_errors() -> No
     assert (sender, r, step, size, count) == ("p7", 3, 1, 123, 2)
     assert [bytes(f) for f in frames] == [b"header", b"", b"\x00data"]
     assert bytes(got[2][1]).decode() == "peer p1 failed: é"
+
+
+def test_payload_entry_from_frame_parts_is_the_frames_entry() -> None:
+    """The exchange step writes a payload's frames from `EncodedPayload.frame_parts` (the tensor bytes
+    copied once, into the outbox): the same entry as from the built frames."""
+    import torch
+
+    from p2pfl.models.layout import TensorSpec
+    from p2pfl.payload import Payload
+    from p2pfl.wire.codec import encode_frames
+
+    spec = TensorSpec("w", (70_000,), 0, 70_000)
+    msg = Payload("p3", 2, 0, "h", (spec,), torch.arange(70_000, dtype=torch.float32), {"mu": 0.5})
+    enc = encode_frames(msg, 64 * 1024)
+    from_parts, from_frames = bytearray(), bytearray()
+    _pack_payload(from_parts, msg, 9, 1, [enc.frame_parts(i) for i in range(len(enc))])
+    _pack_payload(from_frames, msg, 9, 1, encode_frames(msg, 64 * 1024).frames)
+    assert len(enc) > 2 and from_parts == from_frames
 
 
 def test_torchrun_without_out_or_run_id_is_refused(tmp_path: Path) -> None:

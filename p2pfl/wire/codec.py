@@ -275,6 +275,19 @@ class EncodedPayload:
                     self._view = None  # every frame exists: let the source tensor go
             return f
 
+    def frame_parts(self, i: int) -> tuple[bytes | memoryview, ...]:
+        """Frame ``i`` as pieces whose concatenation is ``frame(i)``, without copying the tensor bytes:
+        for a writer that copies them once, into its own buffer (the simulation's exchange step)."""
+        if i == 0:
+            return (self.header_frame,)
+        f = self._frames[i - 1]
+        if f is not None:
+            return (f,)
+        assert self._view is not None
+        start = (i - 1) * self.chunk_bytes
+        piece = self._view[start : start + self.chunk_bytes]
+        return bytes((_TAG_DATA,)), _varint(piece.nbytes), piece
+
     def __iter__(self) -> Iterator[bytes]:
         for i in range(len(self)):
             yield self.frame(i)
