@@ -38,7 +38,7 @@ from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 from p2pfl.storage import STORAGE_ERRNOS, append_line
-from p2pfl.transport.rpc import SERVICE_LOG
+from p2pfl.transport.logs import SERVICE_LOG
 
 __all__ = ["FINAL_RESERVE", "MU_FLOOR", "SETTLE_FRACTION", "ReceiverLedger", "absorb_line", "claim_credit", "debit",
            "debt_bound", "logged_totals", "parse_absorb_line", "settle_budget", "withholds"]

@@ -9,11 +9,11 @@ Nothing in it holds state.
 from __future__ import annotations
 
 import importlib.metadata
-import logging
 from typing import Any
 
 import grpc
 
+from p2pfl.transport.logs import SERVICE_LOG, TRANSPORT_LOG  # the server's and the client's loggers
 from p2pfl.wire.codec import DEFAULT_CHUNK_BYTES
 from p2pfl.wire.validate import Reason, WireError
 
@@ -38,10 +38,6 @@ __all__ = [
     "version",
 ]
 
-#: The loggers of the server's parts and of the client's, named after the modules in front of them
-#: (`grpc_service`, `grpc_transport`) whichever part logs, so the names logs are filtered on stay put.
-SERVICE_LOG = logging.getLogger("p2pfl.transport.grpc_service")
-TRANSPORT_LOG = logging.getLogger("p2pfl.transport.grpc_transport")
 
 SERVICE = "p2pfl.peer.Peer"
 PULL_METHOD = f"/{SERVICE}/Pull"
