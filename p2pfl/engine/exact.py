@@ -36,6 +36,7 @@ generator and mixing sums in plan order (tests/test_distributed_sim.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import heapq
 import itertools
@@ -242,15 +243,22 @@ def release_free_memory() -> None:
     peer at 128 peers.) A trim costs a rank milliseconds, and the pages it releases fault in again
     when reused; the exchange step calls it at most every ``TRIM_EVERY_S``.
     """
-    import ctypes
-    import sys
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, looked up once (None: not Linux, or not glibc)."""
     if not sys.platform.startswith("linux"):
-        return
+        return None
+    import ctypes
+
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
     except (OSError, AttributeError):  # not glibc: nothing to release
-        pass
+        return None
 
 
 def worker_cores(workers: int) -> list[int] | None:

@@ -232,7 +232,6 @@ class PushClient:
         deadline (`_ask_fate`): the receiver answers a decided key from its decision.
         """
         nbr = self._channels.get(peer)
-        live = self._liveness
         why = "deadline passed before the push started"
         attempt = 0
         sent = False  # some attempt may have reached the receiver: its fate is asked before giving up
@@ -243,8 +242,7 @@ class PushClient:
                 _, call = nbr.push.with_call(iter(payload), timeout=left, wait_for_ready=True,
                                              metadata=metadata or None)
             except grpc.RpcError as e:
-                code = e.code()
-                why = f"{code.name}: {bounded(e.details() or '', 300)}"
+                code, why = e.code(), _why(e)
                 if code in _NO_ANSWER and not keep:  # ended unanswered: asked once more below
                     sent, told = True, read_absorbed(e)
                     break
@@ -258,10 +256,7 @@ class PushClient:
             fate = self._ask_fate(peer, payload, tag, metadata)
             if fate is not None:
                 return fate
-        live.refusals.note(int(payload.header.round), peer, why)
-        live.failed(peer, why)
-        log.warning("%s %s: push to %s not mixed (%s); its share stays here", self.peer_id, tag, peer, why[:300])
-        return False, told
+        return self._refused(peer, payload, tag, why, told, keep)
 
     def _ask_fate(self, peer: str, payload: EncodedPayload, tag: str,
                   metadata: tuple[tuple[str, str], ...]) -> PushFate | None:
@@ -282,8 +277,7 @@ class PushClient:
             code = e.code()
             if code in _NO_ANSWER or code == grpc.StatusCode.UNAVAILABLE:
                 return None
-            why = f"{code.name}: {bounded(e.details() or '', 300)}"
-            return self._refused(peer, payload, tag, why, read_absorbed(e), False)
+            return self._refused(peer, payload, tag, _why(e), read_absorbed(e), False)
         log.warning("%s %s: push to %s: its call ended unanswered, but the receiver had mixed it (asked again)",
                     self.peer_id, tag, peer)
         return self._mixed(peer, payload, call)
@@ -324,6 +318,11 @@ class PushClient:
         with self._lock:
             self._mixed_pushes.add((peer, round, step))
             append_line(self._pushes_log, f"{peer} {round} {step}")
+
+
+def _why(e: grpc.RpcError) -> str:
+    """A failed call's status and details, bounded, for the log and the refusal counts."""
+    return f"{e.code().name}: {bounded(e.details() or '', 300)}"
 
 
 def read_absorbed(call: Any) -> float | None:

@@ -265,10 +265,7 @@ class EncodedPayload:
         with self._lock:
             f = self._frames[i - 1]
             if f is None:
-                assert self._view is not None
-                start = (i - 1) * self.chunk_bytes
-                piece = self._view[start : start + self.chunk_bytes]
-                f = b"".join((bytes((_TAG_DATA,)), _varint(piece.nbytes), piece))
+                f = b"".join(self._data_parts(i))
                 self._frames[i - 1] = f
                 self._missing -= 1
                 if not self._missing:
@@ -281,8 +278,10 @@ class EncodedPayload:
         if i == 0:
             return (self.header_frame,)
         f = self._frames[i - 1]
-        if f is not None:
-            return (f,)
+        return (f,) if f is not None else self._data_parts(i)
+
+    def _data_parts(self, i: int) -> tuple[bytes, bytes, memoryview]:
+        """Data frame ``i`` from the source tensor, as its tag, length and bytes (not joined)."""
         assert self._view is not None
         start = (i - 1) * self.chunk_bytes
         piece = self._view[start : start + self.chunk_bytes]
