@@ -95,3 +95,26 @@ def test_a_fast_forward_beyond_every_honest_round_is_reported(tmp_path: Path) ->
     write("p0", [rec("p0", r) for r in range(3)])
     prog.poll()
     assert [r["round"] for r in prog.tails["p0"].recs] == [0, 1, 2]
+
+
+def test_the_accuracy_check_is_a_prediction_interval_that_refuses_an_outlier() -> None:
+    # 3 fault-free runs of mean 0.5 and sample std 0.01: t(2) = 4.303, sqrt(1 + 1/3) = 1.1547 -> 0.0497
+    half = soak.prediction_half_width(0.01, 3)
+    assert abs(half - 0.04969) < 1e-4
+    assert soak.prediction_half_width(0.01, 1) is None
+    assert soak.prediction_half_width(0.01, 12) < soak.prediction_half_width(0.01, 4)  # df 11 -> the table's 10
+
+    def acc_recs(acc: float) -> dict:
+        return {p: [rec(p, 0, acc=acc)] for p in TOPO.ids}
+
+    class R:  # the fields of soak.Run that summarize reads
+        def __init__(self, acc: float) -> None:
+            self.recs, self.wall_s, self.hostile, self.unjustified_ff = acc_recs(acc), 1.0, {}, []
+            self.failed, self.timed_out, self.restarts = [], False, {}
+
+    cleans = {1: R(0.49), 2: R(0.50), 3: R(0.51)}
+    inside = soak.summarize("pull", R(0.54), cleans, [], 3, 1, TOPO, "hook")
+    assert inside["accuracy"]["within_prediction_95"] and not inside["accuracy"]["within_2std"]
+    assert inside["ok"]
+    outside = soak.summarize("pull", R(0.56), cleans, [], 3, 1, TOPO, "hook")
+    assert outside["accuracy"]["within_prediction_95"] is False and not outside["ok"]
