@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
     from p2pfl.experiment import Experiment
     from p2pfl.modelpool import ModelPool
     from p2pfl.runfolder import RunFolder
+    from p2pfl.transport.channels import RECONNECT_BACKOFF_MAX_S
     from p2pfl.transport.grpc_transport import start_grpc_peer
 
     torch.set_num_threads(threads)  # 1 thread: bitwise the same as the simulation on CPU
@@ -113,7 +115,8 @@ def run_node(cfg: ExperimentConfig, peer_id: str, out_dir: Path, *, certs: Path 
 
         node = exp.make_node(peer_id, transport=transport, models=ModelPool(exp.model_factory, 1), record=record,
                              run_dir=out_dir, stop=stop)
-        node.on_round = stop_when_refused(node.on_round, transport, peer_id, cfg.network.refused_rounds)
+        node.on_round = stop_when_refused(node.on_round, transport, peer_id, cfg.network.refused_rounds,
+                                          linger_s=1.2 * RECONNECT_BACKOFF_MAX_S + cfg.network.probe_s)
         if node.resume():
             log.warning("%s: resuming at round %d", peer_id, node.state.round)
             if telemetry is not None:
@@ -149,9 +152,16 @@ class RefusedByNeighbours(RuntimeError):
     ``network.refused_rounds`` rounds in a row: it stops instead of running on alone."""
 
 
-def stop_when_refused(previous: Any, transport: Any, peer_id: str, bound: int) -> Any:
+def stop_when_refused(previous: Any, transport: Any, peer_id: str, bound: int, linger_s: float = 0.0) -> Any:
     """A Node ``on_round`` hook (wrapping ``previous``) that raises `RefusedByNeighbours` once the
-    transport's refusal streak (`GrpcTransport.refused_streak`) reaches ``bound`` (0: never)."""
+    transport's refusal streak (`GrpcTransport.refused_streak`) reaches ``bound`` (0: never).
+
+    Before it raises, the peer serves on for ``linger_s``: a TLS refusal shows only on the side that
+    dials (the server's failed handshake never reaches Python), and a neighbour that found this peer
+    down before it started redials it only after gRPC's reconnect backoff. An asynchronous peer is
+    refused for its ``bound`` rounds within a fraction of a second, so without the wait it was gone
+    before any neighbour could say, in its own log, which peer it refuses and why.
+    """
 
     def on_round(r: int) -> None:
         if previous is not None:
@@ -160,6 +170,8 @@ def stop_when_refused(previous: Any, transport: Any, peer_id: str, bound: int) -
             rounds, causes = transport.refused_streak()
             if rounds >= bound:
                 why = "; ".join(f"{p}: {c}" for p, c in sorted(causes.items()))
+                if linger_s > 0:
+                    time.sleep(linger_s)
                 raise RefusedByNeighbours(f"{peer_id}: every neighbour refused it for {rounds} rounds in a row "
                                           f"(up to round {r}): {why}")
 

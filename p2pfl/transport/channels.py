@@ -23,10 +23,12 @@ from p2pfl.topology import Topology
 from p2pfl.transport.rpc import PULL_METHOD, PUSH_METHOD, STATUS_METHOD, grpc_message_limit, identity
 from p2pfl.wire.codec import DEFAULT_CHUNK_BYTES, parse_frame
 
-__all__ = ["Channels", "Neighbour", "backoff_s", "channel_options"]
+__all__ = ["RECONNECT_BACKOFF_MAX_S", "Channels", "Neighbour", "backoff_s", "channel_options"]
 
 _BACKOFF_BASE_S = 0.05  # first pause before retrying a transient failure
 _BACKOFF_MAX_S = 1.0
+#: The longest pause gRPC takes before redialling a neighbour it could not reach (x1.2 at most, its jitter).
+RECONNECT_BACKOFF_MAX_S = 1.0
 
 
 def channel_options(chunk_bytes: int = DEFAULT_CHUNK_BYTES, target_id: str | None = None) -> list[tuple[str, Any]]:
@@ -48,7 +50,7 @@ def channel_options(chunk_bytes: int = DEFAULT_CHUNK_BYTES, target_id: str | Non
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1_000),
+        ("grpc.max_reconnect_backoff_ms", int(RECONNECT_BACKOFF_MAX_S * 1000)),
         ("grpc.enable_retries", 0),
     ]
     if target_id is not None:
