@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from p2pfl.config import load_config
 from p2pfl.security.certs import make_certs
@@ -49,6 +50,28 @@ def test_launch_with_tls_matches_simulation_bitwise(tmp_path: Path) -> None:
     # Bytes are accounted alike in both modes, per (peer, round), and every byte sent was received
     # (docs/protocol.md, "Bytes"): a neighbour's late pull is not moved into another round or lost.
     assert_same_bytes(sim_recs, recs)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_launch_on_cuda_records_what_simulate_records_on_cuda(tmp_path: Path) -> None:
+    """The deployment path on a GPU (issue 71): 4 `p2pfl node` processes with ``device: cuda``, each its
+    own CUDA context on the one GPU, record what the in-memory simulation records on the same device."""
+    cfg_path = tiny_config(tmp_path, base_port=free_base_port(), device="cuda")
+    out = tmp_path / "launch"
+    proc = subprocess.run([sys.executable, "-m", "p2pfl.cli", "launch", "--config", str(cfg_path), "--out", str(out),
+                           "--timeout", "240"], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["failed_peers"] and summary["rounds"] == 3
+    sim = tmp_path / "sim"
+    simulate(load_config(cfg_path), sim, progress=False)
+    for pid in PEERS:
+        assert np.array_equal(params(out, pid), params(sim, pid)), pid
+    recs, sim_recs = records(out / "metrics.jsonl"), records(sim / "metrics.jsonl")
+    assert len(recs) == len(sim_recs) == 12
+    assert [(r["peer"], r["round"], r["acc"], r["loss"]) for r in recs] == \
+        [(r["peer"], r["round"], r["acc"], r["loss"]) for r in sim_recs]
 
 
 @pytest.mark.timeout(240)
