@@ -35,6 +35,7 @@ from p2pfl.checkpoint import load_checkpoint, save_checkpoint
 from p2pfl.config import ExperimentConfig
 from p2pfl.data.loader import PeerData
 from p2pfl.engine.context import BatchedContext
+from p2pfl.engine.mixing import consensus_distances, step_mixing
 from p2pfl.experiment import Experiment
 from p2pfl.payload import Payload
 from p2pfl.resume import drop_generations, keep_generations, prepare_resume
@@ -81,6 +82,17 @@ def peer_state(stacked: PeerState, i: int, peer_id: str) -> PeerState:
                      scalars={k: float(v[i]) for k, v in stacked.scalars.items()}, round=stacked.round)
 
 
+def payload_size_keys(sender_bytes: list[int], scalars: dict[str, torch.Tensor]) -> list[tuple]:
+    """For each row, what its payload's wire size depends on beyond the step (round, topology, specs:
+    the same for every row): the sender id's length in bytes and, for each scalar, whether it is
+    +0.0, -0.0 or neither. The header is protobuf: a double takes its fixed 8 bytes whatever its
+    value, and only a zero may be left out (so +0.0 and -0.0 are told apart too); rows with equal
+    keys have payloads of equal size (`p2pfl.wire.codec.wire_size`), so one probe per key serves all.
+    """
+    classes = [torch.where(v == 0, torch.where(torch.signbit(v), 2, 1), 0).tolist() for v in scalars.values()]
+    return [(n, *(c[k] for c in classes)) for k, n in enumerate(sender_bytes)]
+
+
 class BatchedSimulation:
     """Every peer of an experiment on one device, stepped together."""
 
@@ -95,6 +107,7 @@ class BatchedSimulation:
         self.topology = exp.topology
         self.ids = list(self.topology.ids)
         self.index = {pid: i for i, pid in enumerate(self.ids)}
+        self.sender_bytes = [len(pid.encode("utf-8")) for pid in self.ids]
         nodes = [exp.make_node(pid, transport=None, models=None, record=record,  # type: ignore[arg-type]
                                run_dir=None) for pid in self.ids]
         if any(n.pipeline is not None for n in nodes):
@@ -197,7 +210,7 @@ class BatchedSimulation:
 
     # -- gossip ---------------------------------------------------------------------------------
     def gossip(self, r: int) -> dict[str, list]:
-        """Every gossip step of round ``r`` for all peers: one weight matrix, one product each."""
+        """Every gossip step of round ``r`` for all peers: one sparse weight matrix, one product each."""
         P = len(self.ids)  # noqa: N806
         algo = self.algorithm
         sent, recv = [0] * P, [0] * P
@@ -208,45 +221,41 @@ class BatchedSimulation:
             plans = [self.topology.plan(pid, r, step, seed=self.cfg.seed, mode=algo.mode) for pid in self.ids]
             flat, scalars = algo.outgoing(self.state, r, step)
             own = flat.detach().clone()  # the snapshot every peer mixes (Jacobi, as the exact engine)
-            scal = {k: (v.detach().clone() if isinstance(v, torch.Tensor)
+            scal = {k: (v.detach().clone().to(torch.float64) if isinstance(v, torch.Tensor)
                         else torch.full((P,), float(v), dtype=torch.float64, device=device))
                     for k, v in scalars.items()}
-            ok = torch.isfinite(own).all(dim=1)
+            ok = torch.isfinite(own).all(dim=1)  # a non-finite payload is refused by its receivers, as on the wire
             for v in scal.values():
                 ok &= torch.isfinite(v)
-            ok_list = ok.tolist()  # a non-finite payload is refused by its receivers, as on the wire
-            weights = torch.zeros(P, P, dtype=torch.float64)
-            arrived = torch.zeros(P, P, dtype=torch.float64)
-            size = self._wire_sizes(r, step, own, scal)
+            size = self._wire_sizes(r, step, own, scal, list(range(P)))
+            mixing = step_mixing(plans, self.index, ok.cpu(), torch.tensor(size, dtype=torch.int64), P, device)
             for i, plan in enumerate(plans):
-                weights[i, i] = plan.self_weight
                 sent[i] += size[i] * len(plan.out_weights)
-                for j, w in plan.in_weights.items():
-                    jj = self.index[j]
-                    if ok_list[jj]:
-                        weights[i, jj] = w
-                        arrived[i, jj] = 1.0
-                        recv[i] += size[jj]
-                    else:
-                        missing[i].add(j)
-            weights, arrived = weights.to(device), arrived.to(device)
+            for i, got in enumerate(mixing.recv.tolist()):
+                recv[i] += got
+            for i, j in mixing.refused:
+                missing[i].add(j)
             if step == 0:
-                n = min(self.exp.layout.num_shared, own.shape[1])
-                body = own[:, :n]
-                count = arrived.sum(1, keepdim=True)
-                mean = (arrived.to(body.dtype) @ body) / count.clamp(min=1.0).to(body.dtype)
-                dist = torch.linalg.vector_norm(body - mean, dim=1)
-                consensus = torch.where(count.squeeze(1) > 0, dist, torch.zeros_like(dist)).tolist()
-            algo.combine_stacked(self.state, r, step, own, scal, weights)
+                consensus = consensus_distances(mixing.arrived, own[:, : min(self.exp.layout.num_shared, own.shape[1])])
+            algo.combine_stacked(self.state, r, step, own, scal, mixing.weights)
         return {"sent": sent, "recv": recv, "consensus": consensus, "missing": [sorted(m) for m in missing]}
 
-    def _wire_sizes(self, r: int, step: int, own: torch.Tensor, scalars: dict[str, torch.Tensor]) -> list[int]:
-        """Each peer's payload size as the gRPC codec would put it on the wire (what the exact engine counts)."""
+    def _wire_sizes(self, r: int, step: int, own: torch.Tensor, scalars: dict[str, torch.Tensor],
+                    peers: list[int]) -> list[int]:
+        """Each row's payload size as the gRPC codec would put it on the wire (what the exact engine
+        counts); row ``k`` is the payload of peer ``peers[k]``. One ``wire_size`` per distinct header
+        shape, not per peer: see `payload_size_key`."""
         specs = self.algorithm.wire_specs()
-        values = {k: v.tolist() for k, v in scalars.items()}
-        return [wire_size(Payload(pid, r, step, self.topology_hash, specs, own[i],
-                                  {k: float(v[i]) for k, v in values.items()}), self.chunk_bytes)
-                for i, pid in enumerate(self.ids)]
+        keys = payload_size_keys([self.sender_bytes[g] for g in peers], scalars)
+        sizes: dict[tuple, int] = {}
+        out = []
+        for k, key in enumerate(keys):
+            if key not in sizes:
+                pid = self.ids[peers[k]]
+                sizes[key] = wire_size(Payload(pid, r, step, self.topology_hash, specs, own[k],
+                                               {n: float(v[k]) for n, v in scalars.items()}), self.chunk_bytes)
+            out.append(sizes[key])
+        return out
 
     def _sync(self) -> None:
         if self.state.params.device.type == "cuda":
