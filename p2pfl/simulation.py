@@ -4,21 +4,20 @@
 * ``exact`` (the default, `p2pfl.engine.exact`): each peer runs the deployment's own Node loop with
   an in-memory transport, peers sharded over the ranks of a torch.distributed group; bitwise equal
   to `p2pfl launch` and independent of the number of ranks;
-* ``batched`` (`p2pfl.engine.batched`): the peers as slices of stacked tensors, one vectorized
-  step for all of them, in one process; equal to ``exact`` up to float reassociation.
+* ``batched`` (`p2pfl.engine.batched`): the peers as rows of stacked tensors, one vectorized
+  step for all of a rank's peers, over the same ranks (each rank its peers' rows, the rows of
+  other ranks' in-neighbours exchanged per gossip step); equal to ``exact`` up to float reassociation.
 
 Both write the same run folder (`p2pfl.runfolder`) and resume from the same checkpoints.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from p2pfl import procgroup
 from p2pfl.config import ConfigError, ExperimentConfig
 from p2pfl.engine.exact import SimulationError, simulate_exact
 from p2pfl.experiment import Experiment
@@ -44,9 +43,6 @@ def simulate(cfg: ExperimentConfig, out_dir: str | Path, *, progress: bool = Tru
     run_dir = Path(out_dir)
     exp = experiment or Experiment.from_config(cfg)
     if (cfg.raw.get("simulation") or {}).get("engine", "exact") == "batched":
-        if procgroup.launched() and int(os.environ["WORLD_SIZE"]) > 1:
-            raise ConfigError("simulation.engine: batched steps every peer in one process; run it without "
-                              "torchrun (or with --nproc-per-node 1), or use engine 'exact' across ranks")
         from p2pfl.engine.batched import simulate_batched
 
         return simulate_batched(cfg, exp, run_dir, progress=progress, resume=resume,

@@ -124,7 +124,8 @@ class Algorithm(ABC):
     def combine_stacked(self, state: PeerState, round: int, step: int, own: torch.Tensor,
                         scalars: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
         """``combine`` for a stack of peers (batched engine): ``own`` is ``[peers, m]``, the stacked
-        ``outgoing``; ``weights`` the raw plan weights ``[peers, peers]`` (see ``mixing.mix_rows``).
+        ``outgoing`` (and, on a rank of several, the halo rows after the peers' own); ``weights`` the raw
+        plan weights, sparse ``[peers, rows of own]`` (see ``combine.mix_rows``): the result is ``[peers, m]``.
         """
         from p2pfl.algorithms.combine import mix_rows
 

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from p2pfl.algorithms.robust import MixingRule, robust_mix, robust_rows
+from p2pfl.algorithms.robust import MixingRule, robust_mix
 from p2pfl.payload import Payload
 from p2pfl.topology import MixingPlan
 
@@ -84,24 +84,74 @@ def mix_scalar(own: float, plan: MixingPlan, received: dict[str, Payload], key: 
     return total
 
 
-# -- the batched engine: one matrix product per gossip step --------------------------------------
-# Row i of ``weights`` ([peers, peers]) is peer i's plan: its self weight on the diagonal, W[i, j]
-# for the in-neighbours whose payload arrived, zero elsewhere; the same numbers ``mix_weights``
-# gives the exact engine, so ``weights @ X`` is ``mix_into`` for every peer at once (summed in
-# another order: equal up to float reassociation).
+# -- the batched engine: one sparse matrix product per gossip step --------------------------------
+# Row i of a weight matrix (``[rows, columns]``, a coalesced sparse COO tensor of float64) is peer
+# i's plan: its self weight in column i, its in-neighbours' weights in their columns where their
+# payload arrived, nothing elsewhere; the same numbers ``mix_weights`` gives the exact engine, so
+# ``W @ X`` is ``mix_into`` for every peer at once (summed in another order: equal up to float
+# reassociation). Columns ``rows..`` may hold rows of peers a rank does not own (the halo, a rank
+# of the batched engine over ``torch.distributed``); row i's own payload is always column i.
+# Sparse, so a step costs O(edges) in memory and time, not O(peers^2).
+def sparse_weights(rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor, shape: tuple[int, int],
+                   device: torch.device | None = None) -> torch.Tensor:
+    """The weight matrix with ``values`` at ``(rows, cols)`` (1-D tensors, one entry each; repeated
+    entries are summed), as every mixing helper below takes it."""
+    index = torch.stack([rows.to(torch.int64), cols.to(torch.int64)])
+    w = torch.sparse_coo_tensor(index, values.to(torch.float64), shape, check_invariants=True).coalesce()
+    return w if device is None else w.to(device)
+
+
+def _sparse(weights: torch.Tensor) -> torch.Tensor:
+    """``weights`` as a coalesced sparse COO tensor (a dense one, as tests write them, is converted)."""
+    w = weights if weights.layout == torch.sparse_coo else weights.to_sparse()
+    return w if w.is_coalesced() else w.coalesce()
+
+
 def row_normalized(weights: torch.Tensor) -> torch.Tensor:
     """Pull mode: each row divided by its sum (``mix_weights(..., renormalize=True)`` for all peers)."""
-    return weights / weights.sum(dim=1, keepdim=True)
+    w = _sparse(weights)
+    rows, values = w.indices()[0], w.values()
+    sums = torch.zeros(w.shape[0], dtype=values.dtype, device=values.device).index_add_(0, rows, values)
+    return torch.sparse_coo_tensor(w.indices(), values / sums[rows], w.shape, is_coalesced=True,
+                                   check_invariants=False)  # the indices of a checked matrix
 
 
 def mix_rows(weights: torch.Tensor, stacked: torch.Tensor, renormalize: bool = True,
              rule: MixingRule | None = None) -> torch.Tensor:
-    """``W @ X``: every peer's plan-weighted mix of the stacked payloads ``X`` = ``[peers, m]``.
+    """``W @ X``: every peer's plan-weighted mix of the stacked payloads ``X`` = ``[columns, m]``
+    (``renormalize=False``: the raw weights, push-sum's column weights or a per-coordinate mean's).
 
-    A robust ``rule`` is applied peer by peer (``robust.robust_rows``: a sort per peer does not
-    vectorize into one product), with the exact engine's function.
+    A robust ``rule`` is applied peer by peer (``robust_rows``: a sort per peer does not vectorize
+    into one product), with the exact engine's function.
     """
+    w = _sparse(weights)
     if rule is not None and rule.active:
-        return robust_rows(weights, stacked, rule)
-    w = row_normalized(weights) if renormalize else weights
-    return w.to(stacked.dtype) @ stacked
+        return robust_rows(w, stacked, rule)
+    if renormalize:
+        w = row_normalized(w)
+    return torch.sparse.mm(w.to(stacked.dtype), stacked)
+
+
+def row_entries(weights: torch.Tensor) -> list[tuple[list[int], list[float]]]:
+    """Each row's nonzero columns and their weights, in column order (one host copy for all rows)."""
+    w = _sparse(weights)
+    rows, cols = (t.tolist() for t in w.indices().cpu())
+    values = w.values().cpu().tolist()
+    out: list[tuple[list[int], list[float]]] = [([], []) for _ in range(w.shape[0])]
+    for i, j, v in zip(rows, cols, values, strict=True):
+        out[i][0].append(j)
+        out[i][1].append(v)
+    return out
+
+
+def robust_rows(weights: torch.Tensor, stacked: torch.Tensor, rule: MixingRule) -> torch.Tensor:
+    """``robust_mix`` for every row of a weight matrix (raw plan weights): row ``i`` mixes its own
+    payload (column ``i``) with the columns of its other nonzeros, the weights renormalized over them."""
+    out = torch.empty(weights.shape[0], *stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
+    for i, (cols, values) in enumerate(row_entries(weights)):
+        self_w = sum(v for j, v in zip(cols, values, strict=True) if j == i)
+        nbrs = [(j, v) for j, v in zip(cols, values, strict=True) if j != i and v > 0]
+        total = self_w + sum(v for _, v in nbrs)
+        out[i] = robust_mix(stacked[i], [stacked[j] for j, _ in nbrs], self_w / total,
+                            [v / total for _, v in nbrs], rule)
+    return out

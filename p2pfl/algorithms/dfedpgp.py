@@ -14,7 +14,7 @@ import torch
 
 from p2pfl.algorithms.alternating import Phase, alternating_update, check_alternating
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
-from p2pfl.algorithms.combine import mix_into, mix_rows, mix_scalar, row_normalized
+from p2pfl.algorithms.combine import mix_into, mix_rows, mix_scalar
 from p2pfl.payload import Payload
 from p2pfl.topology import MixingPlan
 
@@ -135,11 +135,10 @@ class DFedPGP(Algorithm):
                         scalars: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
         """``combine`` for a stack of peers: numerators and mu mixed by one matrix product each."""
         pull = self.mode == "pull"
-        w = row_normalized(weights) if pull else weights
-        mu = w.to(torch.float64) @ scalars[MU].to(torch.float64)
+        mu = mix_rows(weights, scalars[MU].to(torch.float64).unsqueeze(1), renormalize=pull).squeeze(1)
         if not bool((torch.isfinite(mu) & (mu > 0)).all()):
             raise FloatingPointError(f"{self.name}: push-sum weight became {mu.min().item()}")
-        body = mix_rows(weights, own, renormalize=True, rule=self.mixing) if pull else w.to(own.dtype) @ own
+        body = mix_rows(weights, own, renormalize=pull, rule=self.mixing if pull else None)
         if pull:
             if float((mu - 1.0).abs().max()) > 1e-9:
                 raise FloatingPointError(f"{self.name}: pull-mode mu drifted to {mu}")

@@ -81,7 +81,7 @@ from typing import Any, ClassVar
 import torch
 
 from p2pfl.algorithms.base import Algorithm, HyperparameterError, PeerState, TrainContext
-from p2pfl.algorithms.combine import mix_weights
+from p2pfl.algorithms.combine import mix_rows, mix_weights
 from p2pfl.algorithms.local_sgd import Phase
 from p2pfl.models.layout import ParamLayout, TensorSpec
 from p2pfl.payload import Payload
@@ -379,10 +379,10 @@ class DisPFL(Algorithm):
                         scalars: dict[str, torch.Tensor], weights: torch.Tensor) -> None:
         """``combine`` for a stack of peers: holders-weighted sums as two matrix products."""
         n = self.layout.numel
-        held_by = self.holders(own)  # [peers, n]
-        w = weights.to(own.dtype)  # raw plan weights: the per-coordinate renormalization subsumes any other
-        num = w @ (own[:, :n] * held_by)
-        den = w @ held_by
+        held_by = self.holders(own)  # [rows of own, n]
+        # raw plan weights: the per-coordinate renormalization subsumes any other
+        num = mix_rows(weights, own[:, :n] * held_by, renormalize=False)
+        den = mix_rows(weights, held_by, renormalize=False)
         held = den > 0
         mixed = torch.where(held, num / torch.where(held, den, torch.ones_like(den)), state.params)
         with torch.no_grad():

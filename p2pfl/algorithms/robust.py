@@ -106,19 +106,6 @@ def robust_mix(own: Tensor, inputs: Sequence[Tensor], self_w: float, weights: Se
     raise ValueError(f"unknown robust mixing rule {rule.robust!r}")
 
 
-def robust_rows(weights: Tensor, stacked: Tensor, rule: MixingRule) -> Tensor:
-    """``robust_mix`` for every peer of a stack (batched engine): row ``i`` of ``weights`` (raw plan
-    weights, self on the diagonal, zero for what did not arrive) says whose rows peer ``i`` mixes."""
-    out = torch.empty_like(stacked)
-    w = weights.to(torch.float64)
-    for i in range(stacked.shape[0]):
-        nbrs = [j for j in range(stacked.shape[0]) if j != i and float(w[i, j]) > 0]
-        total = float(w[i, i]) + sum(float(w[i, j]) for j in nbrs)
-        out[i] = robust_mix(stacked[i], [stacked[j] for j in nbrs], float(w[i, i]) / total,
-                            [float(w[i, j]) / total for j in nbrs], rule)
-    return out
-
-
 def min_in_degree(topology: Topology) -> int:
     """The smallest number of in-neighbours any peer mixes in a round (random schedules: their ``k``)."""
     if topology.schedule is not None:

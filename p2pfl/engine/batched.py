@@ -21,24 +21,31 @@ per-peer timings in the records are the batch's times divided by the number of p
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from p2pfl import procgroup
 from p2pfl.algorithms.base import Algorithm, PeerState
 from p2pfl.algorithms.dfedpgp import MU
 from p2pfl.checkpoint import load_checkpoint, save_checkpoint
 from p2pfl.config import ExperimentConfig
 from p2pfl.data.loader import PeerData
 from p2pfl.engine.context import BatchedContext
+from p2pfl.engine.exact import _ERROR, _RECORDS, _STORAGE, SimulationError, _entries, _pack, simulate_ranks
+from p2pfl.engine.halo import Halo, RankFailed
+from p2pfl.engine.mixing import consensus_distances, step_mixing
 from p2pfl.experiment import Experiment
 from p2pfl.payload import Payload
-from p2pfl.resume import drop_generations, keep_generations, prepare_resume
-from p2pfl.runfolder import RunFolder
+from p2pfl.procgroup import FAILED, Ranks, RanksError
+from p2pfl.resume import drop_generations, keep_generations
+from p2pfl.storage import StorageError
 from p2pfl.wire.codec import wire_size
 
 log = logging.getLogger(__name__)
@@ -81,10 +88,23 @@ def peer_state(stacked: PeerState, i: int, peer_id: str) -> PeerState:
                      scalars={k: float(v[i]) for k, v in stacked.scalars.items()}, round=stacked.round)
 
 
-class BatchedSimulation:
-    """Every peer of an experiment on one device, stepped together."""
+def payload_size_keys(sender_bytes: list[int], scalars: dict[str, torch.Tensor]) -> list[tuple]:
+    """For each row, what its payload's wire size depends on beyond the step (round, topology, specs:
+    the same for every row): the sender id's length in bytes and, for each scalar, whether it is
+    +0.0, -0.0 or neither. The header is protobuf: a double takes its fixed 8 bytes whatever its
+    value, and only a zero may be left out (so +0.0 and -0.0 are told apart too); rows with equal
+    keys have payloads of equal size (`p2pfl.wire.codec.wire_size`), so one probe per key serves all.
+    """
+    classes = [torch.where(v == 0, torch.where(torch.signbit(v), 2, 1), 0).tolist() for v in scalars.values()]
+    return [(n, *(c[k] for c in classes)) for k, n in enumerate(sender_bytes)]
 
-    def __init__(self, exp: Experiment, run_dir: Path | None, record: Record) -> None:
+
+class BatchedSimulation:
+    """The peers of an experiment that one rank holds (every peer, in one process) on one device,
+    stepped together; ``owner[g]``: the rank of peer ``g`` (`p2pfl.procgroup.placement`)."""
+
+    def __init__(self, exp: Experiment, run_dir: Path | None, record: Record, ranks: Ranks | None = None,
+                 owner: Sequence[int] | None = None) -> None:
         if getattr(exp, "app_spec", None) is not None:
             raise BatchedEngineError("simulation.engine 'batched' runs the built-in algorithms only, not a ClientApp "
                                      "('app:'); use engine 'exact'")
@@ -95,8 +115,14 @@ class BatchedSimulation:
         self.topology = exp.topology
         self.ids = list(self.topology.ids)
         self.index = {pid: i for i, pid in enumerate(self.ids)}
+        self.sender_bytes = [len(pid.encode("utf-8")) for pid in self.ids]
+        ranks = ranks or procgroup.single()
+        owner = list(owner) if owner is not None else [0] * len(self.ids)
+        self.local = [g for g, w in enumerate(owner) if w == ranks.rank]  # this rank's peers, in row order
+        self.peers = [self.ids[g] for g in self.local]
+        self.halo = Halo(ranks, owner, self.local)
         nodes = [exp.make_node(pid, transport=None, models=None, record=record,  # type: ignore[arg-type]
-                               run_dir=None) for pid in self.ids]
+                               run_dir=None) for pid in self.peers]
         if any(n.pipeline is not None for n in nodes):
             raise BatchedEngineError("simulation.engine 'batched' applies neither wire.compression nor "
                                      "faults.byzantine; use engine 'exact'")
@@ -109,8 +135,8 @@ class BatchedSimulation:
         self.generators = [n.generator for n in nodes]
         self.state = stack_states([n.state for n in nodes])
         part = exp.partition
-        datas = [PeerData(exp.dataset, part.train[i], part.test[i], self.cfg.data.batch_size, "cpu")
-                 for i in range(len(self.ids))]
+        datas = [PeerData(exp.dataset, part.train[g], part.test[g], self.cfg.data.batch_size, "cpu")
+                 for g in self.local]
         self.ctx = BatchedContext(exp.build_model(), exp.layout, exp.dataset, datas, self.generators,
                                   self.state.params, exp.device)
         self.ckpt_dir = (run_dir / "checkpoints") if (run_dir is not None and self.cfg.checkpoint_every) else None
@@ -134,7 +160,7 @@ class BatchedSimulation:
         loss, acc = self.ctx.evaluate() if evaluated else (None, None)
         seconds = time.perf_counter() - t0
         recs = []
-        P = len(self.ids)  # noqa: N806
+        P = len(self.peers)  # noqa: N806
         # one device-to-host copy per metric, not one per peer
         per_peer: dict[str, list[float]] = {}
         if evaluated:
@@ -148,7 +174,7 @@ class BatchedSimulation:
                 per_peer[k] = [v] * P
         if MU in self.state.scalars and self.algorithm.mode == "push":
             per_peer["mu"] = self.state.scalars[MU].tolist()  # push-sum weight, as the Node records it
-        for i, pid in enumerate(self.ids):
+        for i, pid in enumerate(self.peers):
             rec: dict[str, Any] = {"round": r, "peer": pid}
             rec.update({k: v[i] for k, v in per_peer.items()})
             rec.update(bytes_sent=traffic["sent"][i], bytes_recv=traffic["recv"][i],
@@ -159,7 +185,7 @@ class BatchedSimulation:
         every = self.cfg.checkpoint_every
         if self.ckpt_dir is not None and every and ((r + 1) % every == 0 or r + 1 == total_rounds):
             self._checkpoint()
-            keep_generations(self.ckpt_dir, self.ids, r + 1)  # what a resume restarts from (p2pfl/resume.py)
+            keep_generations(self.ckpt_dir, self.peers, r + 1)  # what a resume restarts from (p2pfl/resume.py)
         return recs
 
     def restore(self, start: int) -> None:
@@ -168,7 +194,7 @@ class BatchedSimulation:
         assert self.ckpt_dir is not None
         device = self.state.params.device
         states = []
-        for i, pid in enumerate(self.ids):
+        for i, pid in enumerate(self.peers):
             state, rng, _ = load_checkpoint(self.ckpt_dir / f"{pid}.npz", device)
             if state.peer_id != pid or state.params.shape != self.state.params[i].shape:
                 raise BatchedEngineError(f"checkpoint {self.ckpt_dir / f'{pid}.npz'} does not belong to peer {pid}")
@@ -189,64 +215,73 @@ class BatchedSimulation:
         assert self.ckpt_dir is not None
         per_peer = self.state.params[0].nbytes + sum(v[0].nbytes for v in self.state.extra.values())
         chunk = max(1, CHECKPOINT_CHUNK_BYTES // max(1, per_peer))
-        for start in range(0, len(self.ids), chunk):
+        for start in range(0, len(self.peers), chunk):
             host = rows_on(self.state, slice(start, start + chunk), torch.device("cpu"))
-            for k, pid in enumerate(self.ids[start : start + chunk]):
+            for k, pid in enumerate(self.peers[start : start + chunk]):
                 save_checkpoint(self.ckpt_dir / f"{pid}.npz", peer_state(host, k, pid), self.generators[start + k],
                                 meta={"run": self.exp.fingerprint}, durable=False)
 
     # -- gossip ---------------------------------------------------------------------------------
     def gossip(self, r: int) -> dict[str, list]:
-        """Every gossip step of round ``r`` for all peers: one weight matrix, one product each."""
-        P = len(self.ids)  # noqa: N806
+        """Every gossip step of round ``r`` for this rank's peers: the rows of other ranks' peers they
+        read fetched (`Halo`), then one sparse weight matrix over own + halo rows, one product each."""
+        P = len(self.peers)  # noqa: N806
         algo = self.algorithm
         sent, recv = [0] * P, [0] * P
         missing: list[set[str]] = [set() for _ in range(P)]
         consensus = [0.0] * P
         device = self.state.params.device
+        held = set(self.local)
         for step in range(algo.gossip_steps()):
-            plans = [self.topology.plan(pid, r, step, seed=self.cfg.seed, mode=algo.mode) for pid in self.ids]
+            plans = [self.topology.plan(pid, r, step, seed=self.cfg.seed, mode=algo.mode) for pid in self.peers]
             flat, scalars = algo.outgoing(self.state, r, step)
             own = flat.detach().clone()  # the snapshot every peer mixes (Jacobi, as the exact engine)
-            scal = {k: (v.detach().clone() if isinstance(v, torch.Tensor)
+            scal = {k: (v.detach().clone().to(torch.float64) if isinstance(v, torch.Tensor)
                         else torch.full((P,), float(v), dtype=torch.float64, device=device))
                     for k, v in scalars.items()}
-            ok = torch.isfinite(own).all(dim=1)
+            ok = torch.isfinite(own).all(dim=1)  # a non-finite payload is refused by its receivers, as on the wire
             for v in scal.values():
                 ok &= torch.isfinite(v)
-            ok_list = ok.tolist()  # a non-finite payload is refused by its receivers, as on the wire
-            weights = torch.zeros(P, P, dtype=torch.float64)
-            arrived = torch.zeros(P, P, dtype=torch.float64)
-            size = self._wire_sizes(r, step, own, scal)
+            # the step's scalars and finiteness travel with the rows, as float64 columns
+            meta = torch.stack([*scal.values(), ok.to(torch.float64)], dim=1)
+            need = {g for plan in plans for j in plan.in_weights if (g := self.index[j]) not in held}
+            order, halo_rows, halo_meta = self.halo.exchange(need, own, meta)
+            if order:
+                own = torch.cat([own, halo_rows])
+                scal = {k: torch.cat([v, halo_meta[:, c]]) for c, (k, v) in enumerate(scal.items())}
+                ok = torch.cat([ok, halo_meta[:, -1] > 0.5])
+            columns = self.local + order  # the peer of each row of `own`
+            size = self._wire_sizes(r, step, own, scal, columns)
+            column = {self.ids[g]: c for c, g in enumerate(columns)}
+            mixing = step_mixing(plans, column, ok.cpu(), torch.tensor(size, dtype=torch.int64), len(columns),
+                                 device)
             for i, plan in enumerate(plans):
-                weights[i, i] = plan.self_weight
                 sent[i] += size[i] * len(plan.out_weights)
-                for j, w in plan.in_weights.items():
-                    jj = self.index[j]
-                    if ok_list[jj]:
-                        weights[i, jj] = w
-                        arrived[i, jj] = 1.0
-                        recv[i] += size[jj]
-                    else:
-                        missing[i].add(j)
-            weights, arrived = weights.to(device), arrived.to(device)
+            for i, got in enumerate(mixing.recv.tolist()):
+                recv[i] += got
+            for i, j in mixing.refused:
+                missing[i].add(j)
             if step == 0:
-                n = min(self.exp.layout.num_shared, own.shape[1])
-                body = own[:, :n]
-                count = arrived.sum(1, keepdim=True)
-                mean = (arrived.to(body.dtype) @ body) / count.clamp(min=1.0).to(body.dtype)
-                dist = torch.linalg.vector_norm(body - mean, dim=1)
-                consensus = torch.where(count.squeeze(1) > 0, dist, torch.zeros_like(dist)).tolist()
-            algo.combine_stacked(self.state, r, step, own, scal, weights)
+                consensus = consensus_distances(mixing.arrived, own[:, : min(self.exp.layout.num_shared, own.shape[1])])
+            algo.combine_stacked(self.state, r, step, own, scal, mixing.weights)
         return {"sent": sent, "recv": recv, "consensus": consensus, "missing": [sorted(m) for m in missing]}
 
-    def _wire_sizes(self, r: int, step: int, own: torch.Tensor, scalars: dict[str, torch.Tensor]) -> list[int]:
-        """Each peer's payload size as the gRPC codec would put it on the wire (what the exact engine counts)."""
+    def _wire_sizes(self, r: int, step: int, own: torch.Tensor, scalars: dict[str, torch.Tensor],
+                    peers: list[int]) -> list[int]:
+        """Each row's payload size as the gRPC codec would put it on the wire (what the exact engine
+        counts); row ``k`` is the payload of peer ``peers[k]``. One ``wire_size`` per distinct header
+        shape, not per peer: see `payload_size_key`."""
         specs = self.algorithm.wire_specs()
-        values = {k: v.tolist() for k, v in scalars.items()}
-        return [wire_size(Payload(pid, r, step, self.topology_hash, specs, own[i],
-                                  {k: float(v[i]) for k, v in values.items()}), self.chunk_bytes)
-                for i, pid in enumerate(self.ids)]
+        keys = payload_size_keys([self.sender_bytes[g] for g in peers], scalars)
+        sizes: dict[tuple, int] = {}
+        out = []
+        for k, key in enumerate(keys):
+            if key not in sizes:
+                pid = self.ids[peers[k]]
+                sizes[key] = wire_size(Payload(pid, r, step, self.topology_hash, specs, own[k],
+                                               {n: float(v[k]) for n, v in scalars.items()}), self.chunk_bytes)
+            out.append(sizes[key])
+        return out
 
     def _sync(self) -> None:
         if self.state.params.device.type == "cuda":
@@ -262,34 +297,90 @@ def run_batched(exp: Experiment, run_dir: Path | None, record: Record, rounds: i
 
 def simulate_batched(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, *, progress: bool = True,
                      resume: bool = False, accept_config_change: bool = False) -> dict[str, Any]:
-    """``p2pfl simulate`` with ``simulation.engine: batched``: the same run folder as the exact engine.
+    """``p2pfl simulate`` with ``simulation.engine: batched``: the same run folder as the exact engine,
+    over the same ranks (`p2pfl.engine.exact.simulate_ranks`: torchrun's, or ``simulation.workers``
+    forked on a CPU), each rank stepping its own peers' rows (`run_batched_rank`).
 
     ``resume``: continue from the last round every peer checkpointed, as the exact engine does
     (``p2pfl/resume.py``), from the same per-peer checkpoint files and generations."""
+    return simulate_ranks(cfg, exp, run_dir, run_batched_rank, {"engine": "batched"}, progress=progress,
+                          resume=resume, accept_config_change=accept_config_change, label="simulating (batched)",
+                          drop=lambda folder: drop_generations(folder))  # this module's name (tests replace it)
+
+
+def run_batched_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str, int], run_dir: Path,
+                     start: int, sink: Record | None) -> None:
+    """One rank of the batched engine: its peers' rows (``assign``), rounds ``start..`` with the halo
+    exchanges of every gossip step, and a step of `Ranks.step` at the end of each round (and once
+    before the first) that brings the records to rank 0, which writes them in peer order.
+
+    A failure on any rank ends every rank at the end of that round: the failing rank still takes its
+    part in the round's collectives (`Halo.fail`: the others leave the round at once, `RankFailed`),
+    and its error (the traceback's text; a storage error as one) goes to rank 0, which raises it."""
     ids = list(exp.topology.ids)
-    start = prepare_resume(run_dir, ids, before=cfg.rounds,
-                           check=exp.resume_check(run_dir, accept_config_change)) if resume else 0
-    run = RunFolder.start(run_dir, cfg, exp.topology, exp.partition, "simulate", append=start > 0)
-    threads = torch.get_num_threads()
-    # One process steps every peer, with one torch thread. ``simulation.workers`` torch threads
-    # were tried: a step of one peer's batch (a few small kernels) is too small to split, and the
-    # threads' synchronization burnt the CPU instead (measured, cnn_small batch 16, a loaded 2-core box: 10x
-    # the CPU seconds of one thread per step, 7x the wall time of the exact engine per round).
-    # Python threads over the peers cannot share the model either: functional_call swaps the
-    # parameters of the one module in place.
-    workers = 1
-    torch.set_num_threads(1)
-    if progress:
-        run.show_progress(len(ids) * (cfg.rounds - start), "simulating (batched)")
+    index = {pid: i for i, pid in enumerate(ids)}
+    pending: list[dict[str, Any]] = []
+    error: BaseException | None = None
+    sim: BatchedSimulation | None = None
     try:
-        sim = BatchedSimulation(exp, run_dir, run.record)
+        sim = BatchedSimulation(exp, run_dir, pending.append, ranks, [assign[pid] for pid in ids])
         if start:
             sim.restore(start)
-        for r in range(start, cfg.rounds):
+    except BaseException as exc:  # noqa: BLE001 - every rank ends, rank 0 says why
+        error = exc
+    _round_end(ranks, pending, error, sink, index)
+    assert sim is not None
+    steps = sim.algorithm.gossip_steps()
+    for r in range(start, exp.cfg.rounds):
+        sim.halo.heads = 0
+        try:
             sim.run_round(r)
-    finally:
-        run.close()
-        torch.set_num_threads(threads)
-    drop_generations(run_dir)
-    return run.finish(ids, {"engine": "batched", "workers": workers, "resumed_from_round": start},
-                      rounds_run=cfg.rounds - start)
+        except RankFailed:
+            pass  # another rank failed in this round: its error comes at the round's end
+        except RanksError:
+            raise  # the group is broken: no collective can tell the others
+        except BaseException as exc:  # noqa: BLE001 - every rank ends, rank 0 says why
+            error = exc
+            if sim.halo.heads < steps:  # the others wait in this step's count exchange
+                try:
+                    sim.halo.fail()
+                except RankFailed:
+                    pass
+        _round_end(ranks, pending, error, sink, index)
+
+
+def _round_end(ranks: Ranks, pending: list[dict[str, Any]], error: BaseException | None, sink: Record | None,
+               index: dict[str, int]) -> None:
+    """Every rank's records to rank 0 (which hands them to ``sink`` in peer order) and every rank's
+    error: raised on rank 0 (its own first), a `SimulationError` on the others, whenever any rank failed."""
+    body = bytearray()
+    if ranks.rank != 0 and pending:
+        _pack(body, _RECORDS, "".join(json.dumps(rec) + "\n" for rec in pending).encode())
+    if ranks.rank != 0 and error is not None:
+        if isinstance(error, StorageError):
+            _pack(body, _STORAGE, json.dumps([error.path, error.problem]).encode())
+        else:
+            _pack(body, _ERROR, f"rank {ranks.rank} failed: {''.join(traceback.format_exception(error))}".encode())
+    step = ranks.step([body if r == 0 else b"" for r in range(ranks.world)], FAILED if error is not None else 0)
+    records = list(pending)
+    pending.clear()
+    if ranks.rank != 0:
+        if step.any(FAILED):
+            raise SimulationError(f"rank {ranks.rank} ends: a rank failed (rank 0 reports which)")
+        return
+    errors: list[BaseException] = [error] if error is not None else []
+    for buf in step.received:
+        for kind, entry in _entries(buf):
+            if kind == _RECORDS:
+                records.extend(json.loads(line) for line in bytes(entry).decode().splitlines())
+            elif kind == _ERROR:
+                errors.append(SimulationError(bytes(entry).decode(errors="replace")))
+            elif kind == _STORAGE:
+                errors.append(StorageError(*json.loads(bytes(entry).decode())))
+    if sink is not None:
+        for rec in sorted(records, key=lambda rec: (rec["round"], index[rec["peer"]])):
+            sink(rec)
+    if errors:
+        raise errors[0]
+    if step.any(FAILED):
+        raise SimulationError("a rank failed without saying why")

@@ -1,9 +1,7 @@
 """The exact engine: every peer of the config through the same Node loop as a deployment, sharded
 over the ranks of a torch.distributed process group (`p2pfl.simulation` picks it or the batched one).
 
-Peers are spread over the ranks in contiguous blocks of indices (peer i -> rank i * W // N:
-generated graphs join nearby indices, so a ring's or a grid's messages mostly stay in their
-rank instead of crossing to another, as with i mod W). A rank is one process with one torch
+Peers are spread over the ranks by `p2pfl.procgroup.placement` (contiguous blocks of indices). A rank is one process with one torch
 thread and one model object that its peers borrow in turn: this keeps every core busy on training
 (threads in one process would fight over the GIL). Inside a rank each peer runs its Node in a
 greenlet of the rank's one thread, with an in-memory transport, and the peers take turns
@@ -81,23 +79,42 @@ class SimulationError(RuntimeError):
     pass
 
 
+#: What runs one rank's peers (`_run_rank` here, `p2pfl.engine.batched.run_batched_rank`):
+#: ``(ranks, exp, peers of this rank, rank of every peer, run folder, round to start at, sink)``;
+#: ``sink`` is where records go on rank 0 (the run folder), None on the other ranks.
+RankRunner = Callable[[Ranks, Experiment, list[str], dict[str, int], Path, int,
+                       Callable[[dict[str, Any]], Any] | None], None]
+
+
 def simulate_exact(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, *, progress: bool = True,
                    resume: bool = False, accept_config_change: bool = False) -> dict[str, Any]:
     """``p2pfl simulate`` with ``simulation.engine: exact`` (the default): join torchrun's group when
     launched by it, else fork the ranks of ``simulation.workers``; the summary on rank 0, ``{}`` on the others."""
+    return simulate_ranks(cfg, exp, run_dir, _run_rank, {}, progress=progress, resume=resume,
+                          accept_config_change=accept_config_change)
+
+
+def simulate_ranks(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, runner: RankRunner,
+                   summary: dict[str, Any], *, progress: bool, resume: bool, accept_config_change: bool,
+                   label: str = "simulating", drop: Callable[[Path], None] | None = None) -> dict[str, Any]:
+    """A simulation over ranks, whatever runs a rank's peers (``runner``, called on every rank): the
+    ranks formed (torchrun's, or ``simulation.workers`` forked), the run folder and resume on rank 0,
+    the summary (``summary`` added) on rank 0, ``{}`` on the others. ``drop``: what removes the
+    checkpoint generations of a finished run (`p2pfl.resume.drop_generations` unless given)."""
     ranks = procgroup.join(exp.device) if procgroup.launched() else None
     if ranks is not None and exp.device.type == "cuda" and exp.device.index is None:
         exp.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU (join chose it)
     try:
-        return _simulate(cfg, exp, run_dir, ranks, progress=progress, resume=resume,
-                         accept_config_change=accept_config_change)
+        return _simulate(cfg, exp, run_dir, ranks, runner, summary, progress=progress, resume=resume,
+                         accept_config_change=accept_config_change, label=label, drop=drop or drop_generations)
     finally:
         if ranks is not None:
             ranks.close()
 
 
-def _simulate(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, launched: Ranks | None, *, progress: bool,
-              resume: bool, accept_config_change: bool) -> dict[str, Any]:
+def _simulate(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, launched: Ranks | None, runner: RankRunner,
+              summary: dict[str, Any], *, progress: bool, resume: bool, accept_config_change: bool,
+              label: str, drop: Callable[[Path], None]) -> dict[str, Any]:
     topo = exp.topology
     ids = list(topo.ids)
     exp.layout  # noqa: B018 - build the initial model before forking (and refuse a broken app before writing)
@@ -124,10 +141,10 @@ def _simulate(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, launched: R
         start = launched.broadcast_int(start)  # also: rank 0 put the checkpoints back before any peer reads one
         if start < 0:
             raise SimulationError("rank 0 could not prepare the run folder (its error says why)")
-    assign = {pid: i * world // len(ids) for i, pid in enumerate(ids)}
+    assign = dict(zip(ids, procgroup.placement(ids, world), strict=True))
     groups = [[p for p in ids if assign[p] == w] for w in range(world)]
     if run is not None and progress:
-        run.show_progress(len(ids) * (cfg.rounds - start))
+        run.show_progress(len(ids) * (cfg.rounds - start), label)
 
     procs: list[Any] = []
     frozen = False
@@ -146,8 +163,8 @@ def _simulate(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, launched: R
             gc.freeze()
             frozen = True
             for w in range(1, world):
-                p = ctx.Process(target=_rank_process, args=(w, world, store, exp, groups[w], assign, run_dir,
-                                                            start > 0, cores[w] if cores else None),
+                p = ctx.Process(target=_rank_process, args=(w, world, store, exp, runner, groups[w], assign,
+                                                            run_dir, start, cores[w] if cores else None),
                                 name=f"p2pfl-sim-{w}", daemon=True)
                 p.start()
                 procs.append(p)
@@ -159,7 +176,7 @@ def _simulate(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, launched: R
             ranks = procgroup.single()
         assert run is None or rank == 0
         try:
-            _run_rank(ranks, exp, groups[rank], assign, run_dir, start > 0, run.record if run is not None else None)
+            runner(ranks, exp, groups[rank], assign, run_dir, start, run.record if run is not None else None)
         except RanksError as exc:
             raise SimulationError(_dead_rank(procs) or str(exc)) from None
     finally:
@@ -180,8 +197,8 @@ def _simulate(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, launched: R
             run.close()
     if run is None:
         return {}
-    drop_generations(run_dir)
-    return run.finish(ids, {"workers": world, "resumed_from_round": start}, rounds_run=cfg.rounds - start)
+    drop(run_dir)
+    return run.finish(ids, {**summary, "workers": world, "resumed_from_round": start}, rounds_run=cfg.rounds - start)
 
 
 def _dead_rank(procs: list) -> str | None:
@@ -192,8 +209,8 @@ def _dead_rank(procs: list) -> str | None:
     return f"rank process {dead[0].name} died (exit code {dead[0].exitcode})" if dead else None
 
 
-def _rank_process(rank: int, world: int, store: Path, exp: Experiment, peers: list[str], assign: dict[str, int],
-                  run_dir: Path, resume: bool, core: int | None) -> None:
+def _rank_process(rank: int, world: int, store: Path, exp: Experiment, runner: RankRunner, peers: list[str],
+                  assign: dict[str, int], run_dir: Path, start: int, core: int | None) -> None:
     """A forked rank of a plain ``p2pfl simulate``: join the local group, run its peers."""
     if core is not None:
         os.sched_setaffinity(0, {core})  # this process and every thread it starts (see worker_cores)
@@ -201,7 +218,7 @@ def _rank_process(rank: int, world: int, store: Path, exp: Experiment, peers: li
     one_malloc_arena()
     ranks = procgroup.local(rank, world, store)
     try:
-        _run_rank(ranks, exp, peers, assign, run_dir, resume, None)
+        runner(ranks, exp, peers, assign, run_dir, start, None)
     except (SimulationError, StorageError):  # rank 0 reports it (it has every rank's errors)
         sys.exit(1)
     finally:
@@ -281,9 +298,10 @@ def worker_cores(workers: int) -> list[int] | None:
 
 
 def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str, int], run_dir: Path,
-              resume: bool, sink: Callable[[dict[str, Any]], Any] | None) -> None:
+              start: int, sink: Callable[[dict[str, Any]], Any] | None) -> None:
     """Run the Nodes of ``peers`` (greenlets taking turns) and the exchange steps with the other ranks
     until every rank is done. ``sink``: where records go (rank 0: the run folder); None: to rank 0."""
+    resume = start > 0
     rank, world = ranks.rank, ranks.world
     outboxes = [bytearray() for _ in range(world)]  # what goes to each rank at the next step
     # Payloads for each rank not sent yet: heaps of ((round, step, index of its first reader there),
