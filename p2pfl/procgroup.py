@@ -25,7 +25,6 @@ A world of one needs no group at all (`single`): `step` then only reports this r
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -46,15 +45,6 @@ COLLECTIVE_TIMEOUT = timedelta(days=7)
 DONE = 1  # every peer of the rank has ended
 FAILED = 2  # a peer of the rank failed (its error goes to rank 0 with the step's bytes)
 TIMERS = 4  # a peer of the rank waits with a deadline (it may go on without a message)
-
-
-def placement(ids: Sequence[str], world: int) -> list[int]:
-    """The rank that runs each peer (``ids`` order) in a world of ``world`` ranks: contiguous blocks
-    of indices, peer i -> rank i * W // N. Generated graphs join nearby indices, so a ring's or a
-    grid's messages mostly stay in their rank instead of crossing to another (as with i mod W).
-    Both engines place their peers with this one function; their exchanges take any placement
-    (index lists, not block bounds)."""
-    return [i * world // len(ids) for i in range(len(ids))]
 
 
 class RanksError(RuntimeError):

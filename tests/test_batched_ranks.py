@@ -1,6 +1,6 @@
 """The batched engine over torch.distributed ranks (issue 71), and its sparse mixing.
 
-Each rank holds its peers' rows (`p2pfl.procgroup.placement`) and fetches, per gossip step, the rows
+Each rank holds its peers' rows (`p2pfl.topology.placement.place`) and fetches, per gossip step, the rows
 of the in-neighbours other ranks hold (`p2pfl.engine.halo`). Against one rank the sums run in
 other orders (a smaller stack, the halo rows in other columns), so the runs agree within float
 reassociation: `tests.test_batched._assert_agree` (final parameters and algorithm state within 1e-5
@@ -23,7 +23,6 @@ from p2pfl.algorithms.combine import mix_rows, row_entries, sparse_weights
 from p2pfl.config import load_config
 from p2pfl.engine.batched import payload_size_keys
 from p2pfl.payload import Payload
-from p2pfl.procgroup import placement
 from p2pfl.simulation import SimulationError, simulate
 from p2pfl.topology import generate
 from p2pfl.wire.codec import wire_size
@@ -140,11 +139,6 @@ def test_torchrun_batched_ranks_agree_with_the_plain_run(tmp_path: Path) -> None
 
 
 # -- the pieces ------------------------------------------------------------------------------------
-def test_placement_is_contiguous_blocks() -> None:
-    assert placement([f"p{i}" for i in range(5)], 2) == [0, 0, 0, 1, 1]
-    assert placement([f"p{i}" for i in range(4)], 4) == [0, 1, 2, 3]
-
-
 def test_sparse_mixing_equals_the_dense_product() -> None:
     """Rows normalized and mixed by the sparse matrix as by the dense one; a rectangular matrix
     (a rank's rows over own + halo columns) keeps each row's own payload in column i."""

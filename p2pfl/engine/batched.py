@@ -101,7 +101,7 @@ def payload_size_keys(sender_bytes: list[int], scalars: dict[str, torch.Tensor])
 
 class BatchedSimulation:
     """The peers of an experiment that one rank holds (every peer, in one process) on one device,
-    stepped together; ``owner[g]``: the rank of peer ``g`` (`p2pfl.procgroup.placement`)."""
+    stepped together; ``owner[g]``: the rank of peer ``g`` (`p2pfl.topology.placement.place`)."""
 
     def __init__(self, exp: Experiment, run_dir: Path | None, record: Record, ranks: Ranks | None = None,
                  owner: Sequence[int] | None = None) -> None:

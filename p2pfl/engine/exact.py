@@ -1,8 +1,12 @@
 """The exact engine: every peer of the config through the same Node loop as a deployment, sharded
 over the ranks of a torch.distributed process group (`p2pfl.simulation` picks it or the batched one).
 
-Peers are spread over the ranks by `p2pfl.procgroup.placement` (contiguous blocks of indices). A rank is one process with one torch
-thread and one model object that its peers borrow in turn: this keeps every core busy on training
+Peers are placed on the ranks by partitioning the graph (`p2pfl.topology.placement.place`:
+balanced, computed alike by every rank, and with few of the plans' edges between ranks, since a
+payload that crosses is wire-encoded, sent at an exchange step and decoded; contiguous blocks of
+indices, peer i -> rank i * W // N, whenever they cut no more, as on a ring). A rank's peers need
+not be contiguous indices: its group is the peers that ``assign`` gives it. A rank is one process
+with one torch thread and one model object that its peers borrow in turn: this keeps every core busy on training
 (threads in one process would fight over the GIL). Inside a rank each peer runs its Node in a
 greenlet of the rank's one thread, with an in-memory transport, and the peers take turns
 (`p2pfl.turns.Turns`): one computes until it waits for its neighbours, then the next in line runs.
@@ -64,6 +68,7 @@ from p2pfl.resume import drop_generations, keep_generation, prepare_resume
 from p2pfl.runfolder import RunFolder
 from p2pfl.storage import StorageError
 from p2pfl.storage import configure as configure_storage
+from p2pfl.topology.placement import place
 from p2pfl.transport.memory import MemoryHub, MemoryTransport
 from p2pfl.turns import Turns
 from p2pfl.wire.codec import decode, encode_frames, parse_frame
@@ -141,7 +146,7 @@ def _simulate(cfg: ExperimentConfig, exp: Experiment, run_dir: Path, launched: R
         start = launched.broadcast_int(start)  # also: rank 0 put the checkpoints back before any peer reads one
         if start < 0:
             raise SimulationError("rank 0 could not prepare the run folder (its error says why)")
-    assign = dict(zip(ids, procgroup.placement(ids, world), strict=True))
+    assign = dict(zip(ids, place(topo, world), strict=True))  # both engines' ranks, one placement
     groups = [[p for p in ids if assign[p] == w] for w in range(world)]
     if run is not None and progress:
         run.show_progress(len(ids) * (cfg.rounds - start), label)

@@ -1,6 +1,6 @@
 """The batched engine over ranks: the rows of other ranks' peers a rank mixes at a gossip step (its halo).
 
-Each rank holds the stacked rows of its own peers (`p2pfl.procgroup.placement`). At a gossip step
+Each rank holds the stacked rows of its own peers (`p2pfl.topology.placement.place`). At a gossip step
 its peers read their in-neighbours' payloads; those held by other ranks are fetched here, and
 only those, with the group's tensor collectives (``all_to_all_single``; no pickling, no object
 collectives): a rank tells each other rank which of its rows it needs (an index list), then every
