@@ -20,7 +20,19 @@
 #   alexnet*.txt     the same two benchmarks with 128 AlexNet peers (alexnet_batched.txt: batched only,
 #                    with its peak host memory)
 #
-# STEPS="env pytest tf32" picks steps (default: every step but alexnet_batched, idle and idle_alexnet).
+#   stacked.txt      issue 71: bench/many_peers.py, 128 cnn_small peers, batched against the bare stacked loop
+#                    (engine ``stacked``: vmapped step, one sparse product for the mix; target batched_vs_stacked
+#                    <= 1.15)
+#   stacked10k.txt   the same at 10,000 peers (random 4-regular, IID split, evaluation every round, no
+#                    checkpoints, as bench/scale.py): batched_vs_stacked <= 1.15 and batched <= 2 s a round
+#   deprl_alexnet.txt  128 peers, DePRL at the authors' settings with alexnet_fmnist (issue 69's GPU cells):
+#                    s/round x 200 must fit a lease
+#   (pytest also runs tests/test_launch.py's CUDA case: 4 `p2pfl node` processes with device cuda record
+#   what simulate records on the GPU)
+#
+# Issue 71's checks alone: STEPS="env pytest stacked stacked10k deprl_alexnet" (about 9 minutes at most).
+# STEPS="env pytest tf32" picks steps (default: every step but alexnet_batched, idle, idle_alexnet and issue
+# 71's three).
 # DEV=cpu PEERS=8 ROUNDS=3 bash bench/gpu_checks.sh   dry-runs the script itself on a CPU box.
 set -u
 OUT=${OUT:-./gpu-out}
@@ -49,8 +61,8 @@ step() {  # step NAME SECONDS CMD...: run CMD with a time limit, its output into
 step env 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; \
   $PY -c 'import torch, p2pfl.simulation; print(torch.__version__, torch.cuda.is_available())'"
 if [ "$DEV" = cuda ]; then
-  step pytest 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_batched.py -k cuda tests/test_data.py::test_cuda_peer_matches_cpu_peer \
-    tests/test_precision.py
+  step pytest 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_batched.py -k cuda tests/test_data.py::test_cuda_peer_matches_cpu_peer \
+    tests/test_precision.py tests/test_launch.py::test_launch_on_cuda_records_what_simulate_records_on_cuda
 fi
 step phases 50 "$PY" bench/batched_phases.py --set device="$DEV" --rounds "$ROUNDS" "${peers[@]}"
 step host 60 "$PY" bench/batched_host.py --set device="$DEV" "${peers[@]}"
@@ -67,5 +79,13 @@ step alexnet 120 "$PY" bench/many_peers.py --engines batched,exact --set device=
 step idle 90 "$PY" bench/batched_idle.py --set device="$DEV" --set data.partition.pi=0.1 --repeats 2 "${peers[@]}"
 step idle_alexnet 120 "$PY" bench/batched_idle.py --set device="$DEV" --set model.name=alexnet \
   --set data.partition.pi=0.1 --blocks all,personal --repeats 1 "${peers[@]}"
+step stacked 90 "$PY" bench/many_peers.py --engines batched,stacked --set device="$DEV" --rounds "$ROUNDS" --repeats 2 \
+  "${peers[@]}"
+step stacked10k 220 "$PY" bench/many_peers.py --engines batched,stacked --peers "${PEERS:-10000}" --graph random_regular \
+  --set device="$DEV" --set "data.partition={kind: iid}" --set eval_every=1 --set checkpoint.enabled=false \
+  --set algorithm.lr_decay=1.0 --rounds 4 --repeats 1
+step deprl_alexnet 110 "$PY" bench/many_peers.py --engines batched --set device="$DEV" \
+  --set "algorithm={name: deprl, preset: deprl-authors}" --set model.name=alexnet_fmnist --set model.head_layers=3 \
+  --set eval_pre_gossip=true --set checkpoint.enabled=false --rounds 3 --repeats 1 "${peers[@]}"
 step alexnet_batched 90 "$PY" bench/many_peers.py --engines batched --set device="$DEV" --set model.name=alexnet \
   --rounds 4 --repeats 1 "${peers[@]}"

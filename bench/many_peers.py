@@ -549,7 +549,7 @@ def _sparse_mixing(topo: Any, device: Any) -> Any:
         for j, w in plan.in_weights.items():
             rows.append(i), cols.append(index[j]), vals.append(w)
     w = torch.sparse_coo_tensor(torch.tensor([rows, cols]), torch.tensor(vals, dtype=torch.float32),
-                                (len(ids), len(ids))).coalesce()
+                                (len(ids), len(ids)), check_invariants=True).coalesce()
     import warnings
 
     with warnings.catch_warnings():  # "sparse CSR support is in beta": the product is all this uses
@@ -570,6 +570,7 @@ def run_stacked(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     replacement for all peers at once; a peer with fewer rows than a batch draws from those it has),
     the algorithms' state and rules, payload checks, wire sizes, records and checkpoints.
     """
+    import numpy as np
     import torch
     import torch.nn.functional as F
     from torch.func import functional_call, grad, vmap
@@ -600,7 +601,7 @@ def run_stacked(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         width = max(1, max(len(r) for r in rows))
         out = torch.zeros(n, width, dtype=torch.int64)
         for i, r in enumerate(rows):
-            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+            out[i, : len(r)] = torch.from_numpy(np.array(r, dtype=np.int64))  # a copy: partitions are read-only
         return out.to(dev), torch.tensor([len(r) for r in rows], device=dev)
 
     train_rows, train_n = padded([part.train[i] for i in range(n)])

@@ -74,6 +74,28 @@ def test_forked_ranks_agree_with_one_rank(tmp_path: Path, name: str, extra: dict
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, extra", [("dfedavg", {}), ("dispfl", {})])
+def test_ranks_whose_peers_are_not_contiguous_agree_with_one_rank(tmp_path: Path, name: str, extra: dict) -> None:
+    """A random 3-regular graph of 8 peers, placed by the graph on 2 ranks: rank 0 holds p0, p2, p3, p7
+    (not a block of indices), so its stack's row k is not peer k and its halo comes from both sides."""
+    from p2pfl.topology.placement import place
+
+    topo = generate("random_regular", 8, k=3, seed=1)
+    assert place(topo, 2) == [0, 1, 0, 0, 1, 1, 1, 0]
+    runs = []
+    for workers in (1, 2):
+        folder = tmp_path / f"w{workers}"
+        folder.mkdir()
+        path = tiny_config(folder, peers=8, rounds=3, algorithm=_algorithm(name, extra), data=DATA,
+                           simulation={"workers": workers, "engine": "batched"})
+        topo.dump(folder / "topology.yaml")
+        assert simulate(load_config(path), folder / "run", progress=False)["workers"] == workers
+        runs.append(_read(folder / "run"))
+    _assert_agree(*runs[0], *runs[1], False, peers=8)
+    assert [(r["round"], r["peer"]) for r in runs[0][1]] == [(r["round"], r["peer"]) for r in runs[1][1]]
+
+
+@pytest.mark.timeout(120)
 def test_a_resume_on_two_ranks_equals_the_uninterrupted_run(tmp_path: Path) -> None:
     """Stopped after round 2 of 3 (a finished 2-round run extended), resumed on 2 ranks: rank 0 puts
     the checkpoints back, every rank restores its peers' rows and generators: the run that never stopped."""
