@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from p2pfl.config import load_config
-from p2pfl.engine.exact import _entries, _pack, _pack_payload, _unpack_payload
+from p2pfl.engine import frames as rankframes
 from p2pfl.simulation import SimulationError, simulate
 from tests.conftest import TIMES, records_without_times, tiny_config
 
@@ -212,18 +212,27 @@ def test_the_bytes_between_ranks_carry_payload_frames_records_and_errors() -> No
     import torch
 
     from p2pfl.payload import Payload
+    from p2pfl.storage import StorageError
 
     buf = bytearray()
     msg = Payload("p7", 3, 1, "h", (), torch.zeros(2), {})
-    _pack_payload(buf, msg, 123, 2, (b"header", b"", b"\x00data"))
-    _pack(buf, b"R", b'{"round": 0}\n')
-    _pack(buf, b"E", "peer p1 failed: é".encode())
-    got = list(_entries(memoryview(bytes(buf))))
-    assert [k for k, _ in got] == [b"P", b"R", b"E"]
-    sender, r, step, size, count, frames = _unpack_payload(got[0][1])
+    rankframes.pack_payload(buf, msg, 123, 2, (b"header", b"", b"\x00data"))
+    rankframes.pack_records(buf, [{"round": 0, "peer": "p1"}, {"round": 0, "peer": "é"}])
+    raised = rankframes.pack_failure(buf, ValueError("bad é"), "peer p1")
+    rankframes.pack_failure(buf, StorageError("/run/p1/metrics.jsonl", "no space left on device"), "rank 1")
+    got = list(rankframes.entries(memoryview(bytes(buf))))
+    assert [k for k, _ in got] == [rankframes.PAYLOAD, rankframes.RECORDS, rankframes.ERROR, rankframes.STORAGE]
+    sender, r, step, size, count, parts = rankframes.unpack_payload(got[0][1])
     assert (sender, r, step, size, count) == ("p7", 3, 1, 123, 2)
-    assert [bytes(f) for f in frames] == [b"header", b"", b"\x00data"]
-    assert bytes(got[2][1]).decode() == "peer p1 failed: é"
+    assert [bytes(f) for f in parts] == [b"header", b"", b"\x00data"]
+    assert rankframes.read_records(got[1][1]) == [{"round": 0, "peer": "p1"}, {"round": 0, "peer": "é"}]
+    assert rankframes.read_failure(*got[1]) is None  # records are no failure
+    error = rankframes.read_failure(*got[2])
+    assert isinstance(error, rankframes.SimulationError) and str(error) == str(raised)
+    assert str(error).startswith("peer p1 failed: ") and "ValueError: bad é" in str(error)
+    storage = rankframes.read_failure(*got[3])  # the one line `p2pfl node` prints, not a traceback
+    assert isinstance(storage, StorageError)
+    assert (storage.path, storage.problem) == ("/run/p1/metrics.jsonl", "no space left on device")
 
 
 def test_payload_entry_from_frame_parts_is_the_frames_entry() -> None:
@@ -239,8 +248,8 @@ def test_payload_entry_from_frame_parts_is_the_frames_entry() -> None:
     msg = Payload("p3", 2, 0, "h", (spec,), torch.arange(70_000, dtype=torch.float32), {"mu": 0.5})
     enc = encode_frames(msg, 64 * 1024)
     from_parts, from_frames = bytearray(), bytearray()
-    _pack_payload(from_parts, msg, 9, 1, [enc.frame_parts(i) for i in range(len(enc))])
-    _pack_payload(from_frames, msg, 9, 1, encode_frames(msg, 64 * 1024).frames)
+    rankframes.pack_payload(from_parts, msg, 9, 1, [enc.frame_parts(i) for i in range(len(enc))])
+    rankframes.pack_payload(from_frames, msg, 9, 1, encode_frames(msg, 64 * 1024).frames)
     assert len(enc) > 2 and from_parts == from_frames
 
 

@@ -21,10 +21,8 @@ per-peer timings in the records are the batch's times divided by the number of p
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,15 +35,16 @@ from p2pfl.algorithms.dfedpgp import MU
 from p2pfl.checkpoint import load_checkpoint, save_checkpoint
 from p2pfl.config import ExperimentConfig
 from p2pfl.data.loader import PeerData
+from p2pfl.engine import frames
 from p2pfl.engine.context import BatchedContext
-from p2pfl.engine.exact import _ERROR, _RECORDS, _STORAGE, SimulationError, _entries, _pack, simulate_ranks
+from p2pfl.engine.exact import simulate_ranks
+from p2pfl.engine.frames import SimulationError
 from p2pfl.engine.halo import Halo, RankFailed
 from p2pfl.engine.mixing import consensus_distances, step_mixing
 from p2pfl.experiment import Experiment
 from p2pfl.payload import Payload
 from p2pfl.procgroup import FAILED, Ranks, RanksError
 from p2pfl.resume import drop_generations, keep_generations
-from p2pfl.storage import StorageError
 from p2pfl.wire.codec import wire_size
 
 log = logging.getLogger(__name__)
@@ -355,12 +354,9 @@ def _round_end(ranks: Ranks, pending: list[dict[str, Any]], error: BaseException
     error: raised on rank 0 (its own first), a `SimulationError` on the others, whenever any rank failed."""
     body = bytearray()
     if ranks.rank != 0 and pending:
-        _pack(body, _RECORDS, "".join(json.dumps(rec) + "\n" for rec in pending).encode())
+        frames.pack_records(body, pending)
     if ranks.rank != 0 and error is not None:
-        if isinstance(error, StorageError):
-            _pack(body, _STORAGE, json.dumps([error.path, error.problem]).encode())
-        else:
-            _pack(body, _ERROR, f"rank {ranks.rank} failed: {''.join(traceback.format_exception(error))}".encode())
+        frames.pack_failure(body, error, f"rank {ranks.rank}")
     step = ranks.step([body if r == 0 else b"" for r in range(ranks.world)], FAILED if error is not None else 0)
     records = list(pending)
     pending.clear()
@@ -370,13 +366,11 @@ def _round_end(ranks: Ranks, pending: list[dict[str, Any]], error: BaseException
         return
     errors: list[BaseException] = [error] if error is not None else []
     for buf in step.received:
-        for kind, entry in _entries(buf):
-            if kind == _RECORDS:
-                records.extend(json.loads(line) for line in bytes(entry).decode().splitlines())
-            elif kind == _ERROR:
-                errors.append(SimulationError(bytes(entry).decode(errors="replace")))
-            elif kind == _STORAGE:
-                errors.append(StorageError(*json.loads(bytes(entry).decode())))
+        for kind, entry in frames.entries(buf):
+            if kind == frames.RECORDS:
+                records.extend(frames.read_records(entry))
+            elif (failure := frames.read_failure(kind, entry)) is not None:
+                errors.append(failure)
     if sink is not None:
         for rec in sorted(records, key=lambda rec: (rec["round"], index[rec["peer"]])):
             sink(rec)

@@ -42,17 +42,14 @@ import functools
 import gc
 import heapq
 import itertools
-import json
 import logging
 import multiprocessing as mp
 import os
 import shutil
-import struct
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +57,8 @@ import torch
 
 from p2pfl import procgroup
 from p2pfl.config import ConfigError, ExperimentConfig
+from p2pfl.engine import frames
+from p2pfl.engine.frames import SimulationError
 from p2pfl.experiment import Experiment
 from p2pfl.modelpool import ModelPool
 from p2pfl.payload import Payload
@@ -78,10 +77,6 @@ log = logging.getLogger(__name__)
 
 # On one host nobody is late: a peer waits for its neighbours however long their compute takes.
 SIM_DEADLINE_S = 7 * 24 * 3600.0
-
-
-class SimulationError(RuntimeError):
-    pass
 
 
 #: What runs one rank's peers (`_run_rank` here, `p2pfl.engine.batched.run_batched_rank`):
@@ -334,7 +329,7 @@ def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str,
         while q and (not box or len(box) < STEP_BYTES):
             _, _, msg, size, count = heapq.heappop(q)
             enc = encode_frames(msg)
-            _pack_payload(box, msg, size, count, [enc.frame_parts(i) for i in range(len(enc))])
+            frames.pack_payload(box, msg, size, count, [enc.frame_parts(i) for i in range(len(enc))])
 
     hub = MemoryHub(local_peers=set(peers), forward=forward) if world > 1 else MemoryHub()
     # What this rank's peers expect of every payload (the same for all of them: one experiment).
@@ -355,13 +350,13 @@ def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str,
             pending.append(rec)
 
     def deliver(buf: memoryview) -> None:
-        for kind, body in _entries(buf):
-            if kind == _PAYLOAD:
-                sender, r, step, size, count, frames = _unpack_payload(body)
+        for kind, body in frames.entries(buf):
+            if kind == frames.PAYLOAD:
+                sender, r, step, size, count, parts = frames.unpack_payload(body)
                 expected = Expectation(specs=specs, round=r, step=step, topology_hash=topology_hash,
                                        senders=frozenset((sender,)), scalar_keys=scalar_keys, wire=exp.wire_format)
                 try:
-                    msg = decode((parse_frame(f) for f in frames), expected)
+                    msg = decode((parse_frame(f) for f in parts), expected)
                 except WireError as exc:
                     log.warning("rank %d: payload of %s for (round %d, step %d) refused: %s", rank, sender, r, step,
                                 exc)
@@ -371,19 +366,16 @@ def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str,
                     msg = dataclasses.replace(msg, flat=msg.flat.to(exp.device),
                                               indices=None if msg.indices is None else msg.indices.to(exp.device))
                 hub.put(msg, count, size)
-            elif kind == _RECORDS and sink is not None:
-                for line in bytes(body).decode().splitlines():
-                    sink(json.loads(line))
-            elif kind == _ERROR:
-                errors.append(SimulationError(bytes(body).decode(errors="replace")))
-            elif kind == _STORAGE:
-                path, problem = json.loads(bytes(body).decode())
-                errors.append(StorageError(path, problem))
+            elif kind == frames.RECORDS and sink is not None:
+                for rec in frames.read_records(body):
+                    sink(rec)
+            elif (failure := frames.read_failure(kind, body)) is not None:
+                errors.append(failure)
 
     def exchange(flags: int) -> procgroup.Step:
         nonlocal failure_seen, trimmed
         if pending:
-            _pack(outboxes[0], _RECORDS, "".join(json.dumps(r) + "\n" for r in pending).encode())
+            frames.pack_records(outboxes[0], pending)
             pending.clear()
         for r in range(world):
             fill(r)
@@ -433,16 +425,10 @@ def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str,
                 return  # woken by the abort of another failure: that one is reported
             hub.abort(f"peer {pid} failed: {exc!r}")
             failed = True
-            if isinstance(exc, StorageError):  # one line, as `p2pfl node` says it (exit 74)
-                error: BaseException = StorageError(exc.path, exc.problem)
-                kind, body = _STORAGE, json.dumps([exc.path, exc.problem]).encode()
-            else:
-                text = f"peer {pid} failed: " + "".join(traceback.format_exception(exc))
-                error, kind, body = SimulationError(text), _ERROR, text.encode()
             if rank == 0:
-                errors.insert(0, error)
+                errors.insert(0, frames.pack_failure(bytearray(), exc, f"peer {pid}"))
             else:
-                _pack(outboxes[0], kind, body)
+                frames.pack_failure(outboxes[0], exc, f"peer {pid}")
 
     def run_node(pid: str) -> None:
         node = exp.make_node(pid, transport=MemoryTransport(hub, pid, turns, exp.topology.index(pid)), models=models,
@@ -468,58 +454,7 @@ def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str,
         raise SimulationError("a peer of another rank failed (rank 0 reports which)")
 
 
-# Entries of the byte buffer one rank sends another at a step: kind (1 byte), body length (8 bytes), body.
 #: The payload bytes one step sends a rank, at most (one payload more when a single one is larger).
 STEP_BYTES = 32 << 20
 #: Seconds between two `release_free_memory` calls of a rank, at least (one at most per exchange step).
 TRIM_EVERY_S = 0.25
-_PAYLOAD, _RECORDS, _ERROR, _STORAGE = b"P", b"R", b"E", b"S"
-_ENTRY = struct.Struct("<cQ")
-# A payload's body: round, step, wire size, local readers, sender id length, frame count; then the
-# sender id, the frame lengths (8 bytes each) and the frames (what `encode_frames` made).
-_PAYLOAD_HEAD = struct.Struct("<qqqqII")
-
-
-def _pack(buf: bytearray, kind: bytes, body: bytes | bytearray) -> None:
-    buf += _ENTRY.pack(kind, len(body))
-    buf += body
-
-
-def _pack_payload(buf: bytearray, msg: Payload, size: int, count: int,
-                  frames: Sequence[bytes | tuple[bytes | memoryview, ...]]) -> None:
-    """Append a payload entry; a frame is its bytes or the pieces they join (`EncodedPayload.frame_parts`),
-    copied here straight into ``buf`` (one copy of the tensor bytes)."""
-    sender = msg.sender.encode()
-    parts = [f if isinstance(f, tuple) else (f,) for f in frames]
-    lengths = [sum(memoryview(p).nbytes for p in f) for f in parts]
-    head = _PAYLOAD_HEAD.pack(msg.round, msg.step, size, count, len(sender), len(frames))
-    buf += _ENTRY.pack(_PAYLOAD, len(head) + len(sender) + 8 * len(frames) + sum(lengths))
-    buf += head
-    buf += sender
-    buf += struct.pack(f"<{len(frames)}Q", *lengths)
-    for f in parts:
-        for p in f:
-            buf += p
-
-
-def _entries(buf: memoryview) -> Iterator[tuple[bytes, memoryview]]:
-    at = 0
-    while at < len(buf):
-        kind, n = _ENTRY.unpack_from(buf, at)
-        at += _ENTRY.size
-        yield kind, buf[at : at + n]
-        at += n
-
-
-def _unpack_payload(body: memoryview) -> tuple[str, int, int, int, int, list[memoryview]]:
-    r, step, size, count, n_sender, n_frames = _PAYLOAD_HEAD.unpack_from(body, 0)
-    at = _PAYLOAD_HEAD.size
-    sender = bytes(body[at : at + n_sender]).decode()
-    at += n_sender
-    lengths = struct.unpack_from(f"<{n_frames}Q", body, at)
-    at += 8 * n_frames
-    frames = []
-    for n in lengths:
-        frames.append(body[at : at + n])
-        at += n
-    return sender, r, step, size, count, frames
