@@ -505,7 +505,7 @@ def _check_model(model: dict[str, Any]) -> None:
 
 def _check_data(d: DataConfig, base: Path | None, check_files: bool) -> None:
     from p2pfl.data.datasets import KNOWN_DATASETS, dataset_parameters
-    from p2pfl.data.partition import partition_parameters
+    from p2pfl.data.partition import BOOL_PARAMETERS, partition_parameters
 
     try:
         allowed_params = dataset_parameters(d.dataset)
@@ -533,8 +533,11 @@ def _check_data(d: DataConfig, base: Path | None, check_files: bool) -> None:
             close = suggest(k, allowed)
             raise ConfigError(f"not a parameter of the {kind} partition", key=f"data.partition.{k}",
                               allowed=sorted(allowed), hint=f"did you mean {close!r}?" if close else None)
-        if v is not None and (isinstance(v, bool) and k != "balance" or not isinstance(v, int | float | bool)
-                              or isinstance(v, float) and not math.isfinite(v)):
+        if k in BOOL_PARAMETERS:
+            if v is not None and not isinstance(v, bool):
+                raise ConfigError(f"must be true or false, got {shorten(repr(v), 60)}", key=f"data.partition.{k}")
+        elif v is not None and (isinstance(v, bool) or not isinstance(v, int | float)
+                                or isinstance(v, float) and not math.isfinite(v)):
             raise ConfigError(f"must be a finite number, got {shorten(repr(v), 60)}", key=f"data.partition.{k}")
     if required and d.partition.get(required) is None:
         raise ConfigError(f"the {kind} partition needs {required}", key=f"data.partition.{required}")

@@ -167,6 +167,44 @@ def test_dirichlet_per_class_balance_option(labels):
     assert p.sizes().max() <= q.sizes().max()
 
 
+def test_independent_test_split_is_a_second_draw_of_the_same_kind(labels):
+    """``independent_test``: the DePRL authors' code splits its test set by a second, independent Dirichlet
+    draw (GYan58/AAAI24-DePRL Utils.py:428-431): a client's test labels no longer follow its train labels,
+    while the train split stays what it was."""
+    tr, te = labels
+    for kind, params in (("dirichlet", {"alpha": 0.1, "samples_per_client": 150}),
+                         ("dirichlet_per_class", {"pi": 0.1}), ("pathological", {"classes_per_client": 2})):
+        matched = make_partition(tr, te, 20, kind, seed=3, **params)
+        indep = make_partition(tr, te, 20, kind, seed=3, independent_test=True, **params)
+        assert indep == make_partition(tr, te, 20, kind, seed=3, independent_test=True, **params)  # seeded
+        assert all(np.array_equal(a, b) for a, b in zip(matched.train, indep.train, strict=True))
+        assert "independent_test" not in matched.params and indep.params["independent_test"] is True
+        assert_disjoint(indep.test)  # one draw over the test set: no test sample is dealt twice
+        # the share of each client's test samples whose class it trains on: all of them when matched
+        covered = [float(np.isin(te[t], np.unique(tr[x])).mean()) for x, t in zip(indep.train, indep.test, strict=True)]
+        assert all(np.isin(te[t], np.unique(tr[x])).all() for x, t in zip(matched.train, matched.test, strict=True))
+        assert np.mean(covered) < 0.8, (kind, np.mean(covered))
+    p = make_partition(tr, te, 20, "dirichlet", seed=3, alpha=0.1, samples_per_client=150, independent_test=True)
+    assert {len(t) for t in p.test} == {round(150 * len(te) / len(tr))}  # the train size, scaled to the test set
+    p = make_partition(tr, te, 20, "dirichlet", seed=3, alpha=0.1, samples_per_client=150, independent_test=True,
+                       test_size=30)
+    assert {len(t) for t in p.test} == {30}
+    # a partition made before the option existed is equal to one made now without it (no new key saved)
+    assert make_partition(tr, te, 20, "iid", seed=1) == Partition.from_dict(
+        make_partition(tr, te, 20, "iid", seed=1, independent_test=False).to_dict())
+
+
+def test_independent_test_split_refuses_what_it_cannot_make(labels):
+    tr, te = labels
+    with pytest.raises(PartitionError, match="test_size sets the matched test split only"):
+        make_partition(tr, te, 20, "dirichlet_per_class", seed=0, pi=0.1, independent_test=True, test_size=5)
+    with pytest.raises(PartitionError, match="needs more than the 2000 test samples"):
+        make_partition(tr, te, 20, "dirichlet", seed=0, alpha=0.1, samples_per_client=150, independent_test=True,
+                       test_size=101)
+    with pytest.raises(PartitionError, match="independent_test must be true or false"):
+        make_partition(tr, te, 20, "iid", seed=0, independent_test="yes")
+
+
 @pytest.mark.parametrize("c", [1, 2, 3, 5])
 def test_pathological_exact_classes(labels, c):
     tr, te = labels

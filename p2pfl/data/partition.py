@@ -28,6 +28,13 @@ per-class counts by largest remainder, at least one per class the client trains 
 allows, and never more than the test set holds of a class (no duplicates within a client).
 Clients may share test samples.
 
+``independent_test: true`` (any kind) draws the test split instead as the train split is drawn, on
+the test set, with a stream of its own: each client's test label mix is then independent of its
+training mix (a second Dirichlet draw, as the DePRL authors' public code makes it:
+GYan58/AAAI24-DePRL, ``Utils.py:428-431``, where the proportions meant to be reused are never set;
+spec 004 section 9). Per-client sizes: ``test_size``, else ``samples_per_client`` scaled by the
+test-to-train ratio; ``dirichlet_per_class`` and ``pathological`` sizes follow their own draw.
+
 flwr-datasets partitioners are not used: the package is not a dependency of this project, and
 these protocols need a test split tied to each client's train split and DisPFL's equal-size
 sampling, which are implemented here directly on numpy label arrays.
@@ -383,6 +390,8 @@ _SPLITTERS = {
     "pathological": (_pathological, {"classes_per_client": None}),
 }
 _REQUIRED = {"dirichlet": "alpha", "dirichlet_per_class": "pi", "pathological": "classes_per_client"}
+#: Parameters of every kind that take true or false (the others are numbers).
+BOOL_PARAMETERS = frozenset({"balance", "independent_test"})
 
 #: Partition kinds ``make_partition`` accepts.
 PARTITION_KINDS: tuple[str, ...] = tuple(_SPLITTERS)
@@ -390,7 +399,7 @@ PARTITION_KINDS: tuple[str, ...] = tuple(_SPLITTERS)
 
 def partition_parameters(kind: str) -> tuple[list[str], str | None]:
     """(parameter names, the required one or None) of partition ``kind``; KeyError if unknown."""
-    return [*_SPLITTERS[kind][1], "test_size"], _REQUIRED.get(kind)
+    return [*_SPLITTERS[kind][1], "test_size", "independent_test"], _REQUIRED.get(kind)
 
 
 def _as_labels(a: Any, what: str) -> np.ndarray:
@@ -410,6 +419,7 @@ def _check_params(
     """Resolve defaults and reject bad values with a message naming the problem."""
     defaults = dict(_SPLITTERS[kind][1])
     defaults["test_size"] = None
+    defaults["independent_test"] = False
     unknown = sorted(set(params) - set(defaults))
     if unknown:
         raise PartitionError(f"{kind}: unknown parameter(s) {unknown}; allowed: {sorted(defaults)}")
@@ -456,7 +466,31 @@ def _check_params(
         p["test_size"] = int(p["test_size"])
         if p["test_size"] < 0:
             raise PartitionError(f"{kind}: test_size must be >= 0, got {p['test_size']}")
+    if not isinstance(p["independent_test"], bool):
+        raise PartitionError(f"{kind}: independent_test must be true or false, got {p['independent_test']!r}")
+    if p["independent_test"] and p["test_size"] is not None and "samples_per_client" not in p:
+        raise PartitionError(f"{kind}: test_size sets the matched test split only; an independent test split "
+                             f"of a {kind} partition takes its sizes from its own draw")
+    if not p["independent_test"]:
+        del p["independent_test"]  # the default: partitions made before it existed stay equal
     return p
+
+
+def _independent_test_split(
+    kind: str, test_labels: np.ndarray, n: int, num_classes: int, rng: np.random.Generator, p: dict[str, Any],
+    ratio: float,
+) -> list[np.ndarray]:
+    """The test split drawn as the train split is, on the test set (``independent_test``)."""
+    q = {k: v for k, v in p.items() if k not in ("test_size", "independent_test")}
+    if q.get("samples_per_client") is not None:
+        q["samples_per_client"] = p["test_size"] if p["test_size"] is not None else max(
+            1, round(q["samples_per_client"] * ratio))
+        if q["samples_per_client"] * n > len(test_labels):
+            raise PartitionError(f"{kind}: an independent test split of {q['samples_per_client']} x {n} clients "
+                                 f"needs more than the {len(test_labels)} test samples")
+    elif p["test_size"] is not None:  # iid over the whole test set unless test_size fixes the size
+        q["samples_per_client"] = p["test_size"]
+    return _SPLITTERS[kind][0](test_labels, n, num_classes, rng, q)
 
 
 def make_partition(
@@ -486,9 +520,13 @@ def make_partition(
     splitter = _SPLITTERS[kind][0]
     train = splitter(train_labels, n, num_classes, np.random.default_rng(train_ss), p)
     train = [np.sort(a) for a in train]
-    test = _test_split(
-        train_labels, test_labels, train, num_classes, np.random.default_rng(test_ss), p["test_size"]
-    )
+    if p.get("independent_test"):
+        test = _independent_test_split(kind, test_labels, n, num_classes, np.random.default_rng(test_ss), p,
+                                       len(test_labels) / len(train_labels))
+    else:
+        test = _test_split(
+            train_labels, test_labels, train, num_classes, np.random.default_rng(test_ss), p["test_size"]
+        )
     return Partition(
         kind=kind,
         params=_json_safe(p),
