@@ -6,8 +6,9 @@ renormalized), plus the consensus distance from the ``arrived`` matrix (step 0 o
 
 * ``dense``: what the engine did before: ``[P, P]`` float64 ``weights`` and ``arrived`` filled by a
   Python loop over the plans, moved to the device, ``row_normalized`` and one dense product each;
-* ``sparse``: the engine now: `p2pfl.engine.mixing.step_mixing` (index lists collected from the
-  plans, sparse COO matrices built at once), `combine.mix_rows` and `consensus_distances`.
+* ``sparse``: the engine now: `p2pfl.engine.mixing.step_mixing` (the step's entries, index arrays
+  read off the sparse mixing matrix once, made into sparse COO matrices at once), `combine.mix_rows`
+  and `consensus_distances`. The entries themselves: ``bench/step_entries.py``.
 
 Each variant runs in a fresh child process (so its peak RSS is its own): the plans are made once
 (topology cached, as in a run), then ``--repeats`` steps are timed; reported: the median seconds
@@ -27,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -48,12 +50,15 @@ def _dense_step(plans: list, index: dict[str, int], rows: torch.Tensor, device: 
     return w.to(rows.dtype) @ rows
 
 
-def _sparse_step(plans: list, index: dict[str, int], rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _sparse_step(entries: Any, index: dict[str, int], rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    import numpy as np
+
     from p2pfl.algorithms.combine import mix_rows
     from p2pfl.engine.mixing import consensus_distances, step_mixing
 
-    P = len(plans)  # noqa: N806
-    m = step_mixing(plans, index, torch.ones(P, dtype=torch.bool), torch.ones(P, dtype=torch.int64), P, device)
+    P = len(index)  # noqa: N806
+    m = step_mixing(entries, np.arange(P), torch.ones(P, dtype=torch.bool), torch.ones(P, dtype=torch.int64), P,
+                    device)
     consensus_distances(m.arrived, rows)
     return mix_rows(m.weights, rows, renormalize=True)
 
@@ -66,7 +71,12 @@ def child(args: argparse.Namespace) -> dict:
     topo = generate("random_regular", args.peers, k=4, seed=0)
     ids = list(topo.ids)
     index = {p: i for i, p in enumerate(ids)}
-    plans = [topo.plan(p, 0, 0) for p in ids]
+    if args.variant == "dense":
+        plans: Any = [topo.plan(p, 0, 0) for p in ids]
+    else:
+        from p2pfl.engine.mixing import entries_from_matrix
+
+        plans = entries_from_matrix(topo.sparse_matrix(), range(len(ids)))
     rows = torch.randn(args.peers, args.width, generator=torch.Generator().manual_seed(0)).to(device)
     step = _dense_step if args.variant == "dense" else _sparse_step
     if device.type == "cuda":

@@ -193,3 +193,31 @@ def test_wire_sizes_once_per_header_shape_equal_every_peers_own() -> None:
         probes.setdefault(key, own[k])
         assert probes[key] == own[k]
     assert len(probes) == 4  # (2, nonzero), (3, nonzero), (2, +0.0), (2, -0.0)
+
+
+@pytest.mark.parametrize(("kind", "mode", "k"), [("ring", "pull", None), ("random_regular", "pull", 3),
+                                                 ("directed_ring", "push", None), ("random_pull", "pull", 3),
+                                                 ("random_pull", "push", 3), ("erdos_renyi", "pull", None)])
+def test_step_entries_read_off_the_matrix_are_what_the_plans_say(kind: str, mode: str, k: int | None) -> None:
+    """The engine reads a step's entries off the sparse mixing matrix with numpy (`entries_from_matrix`);
+    they are, array for array, what the peers' MixingPlans say (`entries_from_plans`), for every row
+    subset a rank may hold (all, a non-contiguous one, one row), static and scheduled graphs, both modes."""
+    from p2pfl.engine.mixing import entries_from_matrix, entries_from_plans
+
+    topo = generate(kind, 12, **({"k": k} if k else {}), **({"p": 0.4} if kind == "erdos_renyi" else {}), seed=2)
+    ids = list(topo.ids)
+    index = {p: i for i, p in enumerate(ids)}
+    for r, step in ((0, 0), (3, 1), (7, 0)):
+        w = topo.sparse_matrix(r, step, seed=5, mode=mode)
+        for rows in (list(range(12)), [9, 0, 4, 11], [6]):
+            plans = [topo.plan(ids[g], r, step, seed=5, mode=mode) for g in rows]
+            assert entries_from_matrix(w, rows) == entries_from_plans(plans, index), (rows, r, step)
+    # a matrix with a zero diagonal entry: the self entry is still there, weight 0 (as plan.self_weight)
+    from p2pfl.topology.mixing import SparseMixing
+
+    w = SparseMixing.from_dense(np.array([[0.0, 1.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.25, 0.75]]))
+    e = entries_from_matrix(w, [0, 2])
+    assert e.rows.tolist() == [0, 0, 1, 1] and e.senders.tolist() == [0, 1, 2, 1]
+    assert e.values.tolist() == [0.0, 1.0, 0.75, 0.25] and e.own.tolist() == [True, False, True, False]
+    assert e.out_degree.tolist() == [1, 0]  # column 0: row 1 reads p0; column 2: nobody else
+    assert e.readers(np.array([True, False, True])) == [1]

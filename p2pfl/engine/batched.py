@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from p2pfl import procgroup
@@ -40,11 +41,12 @@ from p2pfl.engine.context import BatchedContext
 from p2pfl.engine.exact import simulate_ranks
 from p2pfl.engine.frames import SimulationError
 from p2pfl.engine.halo import Halo, RankFailed
-from p2pfl.engine.mixing import consensus_distances, step_mixing
+from p2pfl.engine.mixing import StepEntries, consensus_distances, entries_from_matrix, step_mixing
 from p2pfl.experiment import Experiment
 from p2pfl.payload import Payload
 from p2pfl.procgroup import FAILED, Ranks, RanksError
 from p2pfl.resume import drop_generations, keep_generations
+from p2pfl.topology.mixing import SparseMixing
 from p2pfl.wire.codec import wire_size
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,9 @@ class BatchedSimulation:
         self.local = [g for g, w in enumerate(owner) if w == ranks.rank]  # this rank's peers, in row order
         self.peers = [self.ids[g] for g in self.local]
         self.halo = Halo(ranks, owner, self.local)
+        self.held = np.zeros(len(self.ids), dtype=bool)  # this rank's peers, as a mask over every peer
+        self.held[self.local] = True
+        self._step_entries: tuple[SparseMixing, StepEntries] | None = None
         nodes = [exp.make_node(pid, transport=None, models=None, record=record,  # type: ignore[arg-type]
                                run_dir=None) for pid in self.peers]
         if any(n.pipeline is not None for n in nodes):
@@ -226,13 +231,12 @@ class BatchedSimulation:
         read fetched (`Halo`), then one sparse weight matrix over own + halo rows, one product each."""
         P = len(self.peers)  # noqa: N806
         algo = self.algorithm
-        sent, recv = [0] * P, [0] * P
+        sent, recv = np.zeros(P, dtype=np.int64), np.zeros(P, dtype=np.int64)
         missing: list[set[str]] = [set() for _ in range(P)]
         consensus = [0.0] * P
         device = self.state.params.device
-        held = set(self.local)
         for step in range(algo.gossip_steps()):
-            plans = [self.topology.plan(pid, r, step, seed=self.cfg.seed, mode=algo.mode) for pid in self.peers]
+            entries = self._entries(r, step)
             flat, scalars = algo.outgoing(self.state, r, step)
             own = flat.detach().clone()  # the snapshot every peer mixes (Jacobi, as the exact engine)
             scal = {k: (v.detach().clone().to(torch.float64) if isinstance(v, torch.Tensor)
@@ -243,27 +247,34 @@ class BatchedSimulation:
                 ok &= torch.isfinite(v)
             # the step's scalars and finiteness travel with the rows, as float64 columns
             meta = torch.stack([*scal.values(), ok.to(torch.float64)], dim=1)
-            need = {g for plan in plans for j in plan.in_weights if (g := self.index[j]) not in held}
-            order, halo_rows, halo_meta = self.halo.exchange(need, own, meta)
+            order, halo_rows, halo_meta = self.halo.exchange(entries.readers(self.held), own, meta)
             if order:
                 own = torch.cat([own, halo_rows])
                 scal = {k: torch.cat([v, halo_meta[:, c]]) for c, (k, v) in enumerate(scal.items())}
                 ok = torch.cat([ok, halo_meta[:, -1] > 0.5])
             columns = self.local + order  # the peer of each row of `own`
             size = self._wire_sizes(r, step, own, scal, columns)
-            column = {self.ids[g]: c for c, g in enumerate(columns)}
-            mixing = step_mixing(plans, column, ok.cpu(), torch.tensor(size, dtype=torch.int64), len(columns),
+            column_of = np.full(len(self.ids), -1, dtype=np.int64)
+            column_of[columns] = np.arange(len(columns), dtype=np.int64)
+            mixing = step_mixing(entries, column_of, ok.cpu(), torch.tensor(size, dtype=torch.int64), len(columns),
                                  device)
-            for i, plan in enumerate(plans):
-                sent[i] += size[i] * len(plan.out_weights)
-            for i, got in enumerate(mixing.recv.tolist()):
-                recv[i] += got
-            for i, j in mixing.refused:
-                missing[i].add(j)
+            sent += np.asarray(size[:P], dtype=np.int64) * entries.out_degree
+            recv += mixing.recv.numpy()
+            for i, g in mixing.refused:
+                missing[i].add(self.ids[g])
             if step == 0:
                 consensus = consensus_distances(mixing.arrived, own[:, : min(self.exp.layout.num_shared, own.shape[1])])
             algo.combine_stacked(self.state, r, step, own, scal, mixing.weights)
-        return {"sent": sent, "recv": recv, "consensus": consensus, "missing": [sorted(m) for m in missing]}
+        return {"sent": sent.tolist(), "recv": recv.tolist(), "consensus": consensus,
+                "missing": [sorted(m) for m in missing]}
+
+    def _entries(self, r: int, step: int) -> StepEntries:
+        """This rank's rows of the step's mixing matrix (`entries_from_matrix`), kept while the
+        topology hands back the same matrix (a static graph: built once for the whole run)."""
+        w = self.topology.sparse_matrix(r, step, seed=self.cfg.seed, mode=self.algorithm.mode)
+        if self._step_entries is None or self._step_entries[0] is not w:
+            self._step_entries = (w, entries_from_matrix(w, self.local))
+        return self._step_entries[1]
 
     def _wire_sizes(self, r: int, step: int, own: torch.Tensor, scalars: dict[str, torch.Tensor],
                     peers: list[int]) -> list[int]:
