@@ -42,7 +42,7 @@ def _median(fn, repeats: int) -> float:
 
 def measure(peers: int, repeats: int) -> dict:
     torch.set_num_threads(1)
-    topo = generate("random_regular", peers, k=4, seed=0)
+    topo = generate("random_regular", peers, k=4, seed=0, address_template="peer-{i}:50051")
     ids = list(topo.ids)
     index = {p: i for i, p in enumerate(ids)}
     rows = np.arange(peers)
