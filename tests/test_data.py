@@ -169,7 +169,7 @@ def test_dirichlet_per_class_balance_option(labels):
 
 def test_independent_test_split_is_a_second_draw_of_the_same_kind(labels):
     """``independent_test``: the DePRL authors' code splits its test set by a second, independent Dirichlet
-    draw (GYan58/AAAI24-DePRL Utils.py:428-431): a client's test labels no longer follow its train labels,
+    draw (GYan58/AAAI24-DePRL Utils.py:428-432): a client's test labels no longer follow its train labels,
     while the train split stays what it was."""
     tr, te = labels
     for kind, params in (("dirichlet", {"alpha": 0.1, "samples_per_client": 150}),
