@@ -31,7 +31,7 @@ Clients may share test samples.
 ``independent_test: true`` (any kind) draws the test split instead as the train split is drawn, on
 the test set, with a stream of its own: each client's test label mix is then independent of its
 training mix (a second Dirichlet draw, as the DePRL authors' public code makes it:
-GYan58/AAAI24-DePRL at 341e890, ``Utils.py:428-432``, where the proportions meant to be reused are never set;
+GYan58/AAAI24-DePRL at 30ad0bf, ``Utils.py:428-432``, where the proportions meant to be reused are never set;
 spec 004 section 9). Per-client sizes: ``test_size``, else ``samples_per_client`` scaled by the
 test-to-train ratio; ``dirichlet_per_class`` and ``pathological`` sizes follow their own draw.
 
