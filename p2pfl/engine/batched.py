@@ -115,7 +115,6 @@ class BatchedSimulation:
         self.record = record
         self.topology = exp.topology
         self.ids = list(self.topology.ids)
-        self.index = {pid: i for i, pid in enumerate(self.ids)}
         self.sender_bytes = [len(pid.encode("utf-8")) for pid in self.ids]
         ranks = ranks or procgroup.single()
         owner = list(owner) if owner is not None else [0] * len(self.ids)

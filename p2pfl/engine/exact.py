@@ -426,7 +426,7 @@ def _run_rank(ranks: Ranks, exp: Experiment, peers: list[str], assign: dict[str,
             hub.abort(f"peer {pid} failed: {exc!r}")
             failed = True
             if rank == 0:
-                errors.insert(0, frames.pack_failure(bytearray(), exc, f"peer {pid}"))
+                errors.insert(0, frames.failure(exc, f"peer {pid}"))
             else:
                 frames.pack_failure(outboxes[0], exc, f"peer {pid}")
 

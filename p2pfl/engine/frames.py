@@ -93,15 +93,22 @@ def read_records(body: memoryview) -> list[dict[str, Any]]:
     return [json.loads(line) for line in bytes(body).decode().splitlines()]
 
 
-def pack_failure(buf: bytearray, error: BaseException, who: str) -> BaseException:
-    """Append ``error`` (``who``: "peer p3", "rank 2") as the entry rank 0 raises; returns what rank 0
-    raises for it, for a failure that happened on rank 0 itself."""
-    if isinstance(error, StorageError):  # one line, as `p2pfl node` says it (exit 74)
-        pack(buf, STORAGE, json.dumps([error.path, error.problem]).encode())
+def failure(error: BaseException, who: str) -> BaseException:
+    """What rank 0 raises for ``error`` (``who``: "peer p3", "rank 2"): a failed write as the one-line
+    `StorageError` that `p2pfl node` prints (exit 74), anything else as a `SimulationError` with its traceback."""
+    if isinstance(error, StorageError):
         return StorageError(error.path, error.problem)
-    text = f"{who} failed: " + "".join(traceback.format_exception(error))
-    pack(buf, ERROR, text.encode())
-    return SimulationError(text)
+    return SimulationError(f"{who} failed: " + "".join(traceback.format_exception(error)))
+
+
+def pack_failure(buf: bytearray, error: BaseException, who: str) -> BaseException:
+    """Append ``error`` as the entry rank 0 raises (`failure`); returns that exception."""
+    raised = failure(error, who)
+    if isinstance(raised, StorageError):
+        pack(buf, STORAGE, json.dumps([raised.path, raised.problem]).encode())
+    else:
+        pack(buf, ERROR, str(raised).encode())
+    return raised
 
 
 def read_failure(kind: bytes, body: memoryview) -> BaseException | None:
