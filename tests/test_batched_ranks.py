@@ -150,12 +150,25 @@ def test_a_rank_that_fails_ends_every_rank_with_its_error(tmp_path: Path, monkey
 
 @pytest.mark.timeout(240)
 def test_torchrun_batched_ranks_agree_with_the_plain_run(tmp_path: Path) -> None:
-    """``torchrun --standalone --nproc-per-node 2 -m p2pfl.cli simulate`` with the batched engine."""
+    """``torchrun --standalone --nproc-per-node 2 -m p2pfl.cli simulate`` with the batched engine.
+
+    Rank 1 ends as a forked rank does, without the interpreter's teardown (where torch's gloo backend
+    sometimes aborted a finished launch, `p2pfl.procgroup.end_launched_rank`): an exit handler that
+    every rank registers at start-up (a ``sitecustomize`` first on the path) runs on rank 0 alone."""
     path = _config(tmp_path, "dfedpgp", {"mix_mode": "push"}, 1)
     one = _simulate(tmp_path / "one", "dfedpgp", {"mix_mode": "push"}, 1)
+    site, marks = tmp_path / "site", tmp_path / "exited"
+    site.mkdir()
+    marks.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import atexit, os, pathlib\n"
+        "atexit.register(lambda: (pathlib.Path(os.environ['P2PFL_TEST_EXITED']) / os.environ.get('RANK', 'none'))"
+        ".write_text('teardown'))\n")
     res = _run_torchrun([*_torchrun(), "--standalone", "--nproc-per-node=2", "-m", "p2pfl.cli", "simulate",
-                         "-c", str(path), "--out", str(tmp_path / "tr"), "-q"], timeout=200)
+                         "-c", str(path), "--out", str(tmp_path / "tr"), "-q"], timeout=200,
+                        path=[site], env={"P2PFL_TEST_EXITED": str(marks)})
     assert res.returncode == 0, res.stdout[-4000:]
+    assert sorted(p.name for p in marks.iterdir()) == ["0", "none"]  # rank 1 skipped the teardown; rank 0 and torchrun did not
     assert json.loads((tmp_path / "tr" / "summary.json").read_text())["workers"] == 2
     _assert_agree(*one, *_read(tmp_path / "tr"), True)
 

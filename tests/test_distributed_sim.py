@@ -124,9 +124,12 @@ def _torchrun() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def _run_torchrun(args: list[str], timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """``torchrun ... -m p2pfl.cli simulate ARGS`` in a session of its own, killed whole on a timeout."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def _run_torchrun(args: list[str], timeout: float, cwd: Path = ROOT, path: list[Path] = (),
+                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``torchrun ... -m p2pfl.cli simulate ARGS`` in a session of its own, killed whole on a timeout
+    (``path``: folders put first on the ranks' ``PYTHONPATH``; ``env``: more variables)."""
+    env = {**os.environ, **(env or {}),
+           "PYTHONPATH": os.pathsep.join([*map(str, path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

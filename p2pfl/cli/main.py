@@ -178,7 +178,7 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
     _setup_logging(verbose)
     cfg = _load(config, set, rounds)
     from p2pfl.engine.exact import one_malloc_arena
-    from p2pfl.procgroup import launched
+    from p2pfl.procgroup import end_launched_rank, launched
     from p2pfl.simulation import simulate as run_sim
 
     if launched() and out is None:  # every rank must name the same folder: torchrun's run id, not the time
@@ -195,6 +195,8 @@ def simulate(config: ConfigOpt, rounds: Annotated[int | None, typer.Option(help=
         summary = run_sim(cfg, run_dir, progress=not quiet, resume=resume, accept_config_change=accept_config_change)
     if summary:  # rank 0 (the other ranks of a torchrun launch return nothing)
         print_summary(summary, run_dir)
+    elif launched():  # a torchrun rank other than 0, its part done: end as a forked rank ends
+        end_launched_rank()
 
 
 @app.command()
