@@ -62,9 +62,9 @@ def end_launched_rank() -> None:
     For a rank other than 0 whose run is done: its records went to rank 0 and its group was destroyed.
     Why not return through the interpreter's teardown: there, torch's gloo backend sometimes aborts
     the process (``terminate called without an active exception``, SIGABRT, no Python frame left)
-    after a run that finished; measured on this project's 2-rank batched run, about 1 launch in 200,
-    always rank 1, while rank 0 was still writing the run folder (torchrun then reports the launch
-    failed). A forked rank never goes through that teardown (`multiprocessing` ends it with
+    after a run that finished; on this project's 2-rank batched run, once in about 250 launches here
+    and once in CI, rank 1 both times, while rank 0 was still writing the run folder (torchrun then
+    reports the launch failed). A forked rank never goes through that teardown (`multiprocessing` ends it with
     ``os._exit``), and this gives a torchrun rank the same ending."""
     import logging
     import sys

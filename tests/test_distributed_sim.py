@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,7 @@ def _torchrun() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def _run_torchrun(args: list[str], timeout: float, cwd: Path = ROOT, path: list[Path] = (),
+def _run_torchrun(args: list[str], timeout: float, cwd: Path = ROOT, path: Sequence[Path] = (),
                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``torchrun ... -m p2pfl.cli simulate ARGS`` in a session of its own, killed whole on a timeout
     (``path``: folders put first on the ranks' ``PYTHONPATH``; ``env``: more variables)."""
