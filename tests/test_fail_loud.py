@@ -164,8 +164,11 @@ def test_a_peer_every_neighbour_refuses_stops_within_the_bound(tmp_path: Path, h
     """The three good peers run far more rounds than the test watches (they are killed at its end) and are
     serving before p2 starts: so p2 meets running neighbours from its first round, and they are still there to
     log whom they refuse. (With 12 rounds each, a loaded machine let one side finish before the other had
-    imported torch: p2 ran its rounds against silence, or a neighbour never called p2 at all; CI of 556af95.)"""
-    rounds, bound = 1000, 3
+    imported torch: p2 ran its rounds against silence, or a neighbour never called p2 at all; CI of 556af95.
+    1000 rounds were not enough either: while p2 is down the good peers run about 100 rounds a second here,
+    so they were done in about 10 s, and a loaded CI took longer than that to start p2; CI of 933e7bf.
+    A million rounds last hours at that rate, and nothing is sized by the round count.)"""
+    rounds, bound = 1_000_000, 3
     base = free_base_port()
     cfg = tiny_config(tmp_path, base_port=base, rounds=rounds,
                       network={"round_timeout_s": 3.0, "probe_s": 0.5, "refused_rounds": bound, "mode": mode})
