@@ -131,7 +131,10 @@ def test_sigterm_stops_every_peer_cleanly_between_rounds(tmp_path: Path) -> None
     procs = {pid: spawn_node(cfg, pid, out, certs, tmp_path / f"{pid}.log") for pid in PEERS}
     try:
         t0 = time.monotonic()
-        while len(records(out / "metrics-p0.jsonl")) < 2:
+        # p0 two rounds in and every peer one: a peer that started seconds late (a loaded machine) would
+        # otherwise meet SIGTERM while it imports torch, before its handler is installed
+        while len(records(out / "metrics-p0.jsonl")) < 2 or any(
+                not records(out / f"metrics-{pid}.jsonl") for pid in PEERS):
             assert time.monotonic() - t0 < 90, (tmp_path / "p0.log").read_text()
             time.sleep(0.05)
         for p in procs.values():

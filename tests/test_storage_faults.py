@@ -261,7 +261,7 @@ def test_a_full_disk_at_a_random_round_is_waited_out(tmp_path: Path, mode: str) 
                       **_mode(mode))
     out = tmp_path / "run"
     with peers(cfg, out, tmp_path, env={FAULT_ENV: str(ctl)}) as procs:
-        random_instant(out, rng.choice(PEERS), rng, procs, tmp_path, 1, 4)
+        random_instant(out, rng.choice(PEERS), rng, procs, tmp_path, 2, 4)
         ctl.write_text("ENOSPC")
         _hold_until_struck(tmp_path, rng.uniform(1.0, 3.0))
         ctl.unlink()
@@ -289,7 +289,7 @@ def test_a_read_only_run_folder_stops_every_peer_in_one_line_and_a_restart_resum
     out = tmp_path / "run"
     env = {FAULT_ENV: str(ctl)}
     with peers(cfg, out, tmp_path, env=env) as procs:
-        random_instant(out, rng.choice(PEERS), rng, procs, tmp_path, 1, 4)
+        random_instant(out, rng.choice(PEERS), rng, procs, tmp_path, 2, 4)
         ctl.write_text("EROFS")
         codes = {pid: p.wait(60) for pid, p in procs.items()}
         assert codes == dict.fromkeys(PEERS, EXIT_STORAGE), codes
@@ -334,7 +334,7 @@ def test_a_real_tmpfs_full_or_read_only_at_a_random_round_is_waited_out(tmp_path
     try:
         cfg = tiny_config(tmp_path, base_port=free_base_port(), rounds=rounds, network={"round_timeout_s": 60.0})
         with peers(cfg, out, tmp_path) as procs:
-            random_instant(out, rng.choice(PEERS), rng, procs, tmp_path, 1, 4)
+            random_instant(out, rng.choice(PEERS), rng, procs, tmp_path, 2, 4)
             if kind == "full":
                 soak.fill(out / "filler")
             else:  # a read-only bind mount over it (a remount of the tmpfs itself is refused while files are open)
