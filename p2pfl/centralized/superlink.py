@@ -74,6 +74,23 @@ def _toml_value(value: RunValue) -> str:
     return json.dumps(str(value))  # a JSON string is a TOML basic string
 
 
+def _end_group(pgid: int, wait_s: float = 5.0) -> None:
+    """SIGKILL process group ``pgid`` until no member is left (bounded by ``wait_s``).
+
+    A member SIGKILLed a moment ago is still there until the kernel ends it and its parent reaps it;
+    returning at once would leave the group alive for a caller that checks (or reuses its files).
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+
+
 class LocalSuperLink:
     """A ``flower-superlink --simulation`` for one run (module doc); a context manager.
 
@@ -154,11 +171,8 @@ class LocalSuperLink:
                     break
                 except subprocess.TimeoutExpired:
                     continue
-        if proc is not None:
-            try:  # what the SuperLink started outlives it in the group (flwr-simulation, Ray): end them too
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        if proc is not None:  # what the SuperLink started outlives it in the group (flwr-simulation, Ray)
+            _end_group(proc.pid)
         self._tmp.cleanup()
 
     def flwr_run(self, app_dir: Path, run_config: Mapping[str, RunValue], federation: Mapping[str, RunValue]) -> str:
