@@ -190,10 +190,21 @@ def rpc_error(fn: Callable[[], Any]) -> grpc.RpcError:
     return info.value  # type: ignore[return-value]
 
 
+def _below_ephemeral(n: int) -> tuple[int, int]:
+    """Where to draw ``n`` listening ports: below the kernel's ephemeral range when there is room (free
+    now, a port in that range can be taken by any outgoing connection before the peer binds it)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    return (20000, low - n - 1) if low - n - 1 > 21000 else (20000, 60000)
+
+
 def free_base_port(n: int = 4) -> int:
     """A base port with ``n`` consecutive free loopback ports."""
+    lo, hi = _below_ephemeral(n)
     for _ in range(200):
-        base = random.randint(20000, 60000)
+        base = random.randint(lo, hi)
         socks = []
         try:
             for i in range(n):
