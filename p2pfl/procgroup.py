@@ -64,8 +64,8 @@ def end_launched_rank() -> None:
     the process (``terminate called without an active exception``, SIGABRT, no Python frame left)
     after a run that finished; on this project's 2-rank batched run, once in about 250 launches here
     and once in CI, rank 1 both times, while rank 0 was still writing the run folder (torchrun then
-    reports the launch failed). A forked rank never goes through that teardown (`multiprocessing` ends it with
-    ``os._exit``), and this gives a torchrun rank the same ending."""
+    reports the launch failed). A forked rank never goes through that teardown (`multiprocessing`
+    ends it with ``os._exit``), and this gives a torchrun rank the same ending."""
     import logging
     import sys
 

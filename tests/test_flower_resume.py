@@ -21,6 +21,7 @@ import pytest
 
 from p2pfl.centralized.baselines import SERVER, run_baseline
 from p2pfl.config import load_config
+from p2pfl.resume import _generations
 from p2pfl.sweep import simulate_command
 from tests.conftest import tiny_config
 
@@ -89,8 +90,8 @@ def test_a_killed_flower_process_resumes_from_its_last_checkpoint(tmp_path: Path
         deadline = time.monotonic() + 120
         # round 3 or later: a generation lives for a few rounds only (older ones are pruned), and a
         # starved poller could miss round 3's alone
-        while not any(int(g.name.rsplit(".r", 1)[1].split(".")[0]) >= 3
-                      for g in (run / "checkpoints" / "gen").glob(f"{SERVER}.r*.npz")):
+        gens = run / "checkpoints" / "gen"
+        while not any(r >= 3 and SERVER in peers for r, peers in _generations(gens).items()):
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before round 3"
             time.sleep(0.005)
         os.killpg(proc.pid, signal.SIGKILL)
