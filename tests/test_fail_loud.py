@@ -95,11 +95,13 @@ def test_a_peer_with_a_certificate_its_neighbours_would_refuse_does_not_start(
 
 def test_certs_prints_the_expiry_and_metrics_count_the_days_left(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, base_port=free_base_port())
+    before = dt.datetime.now(dt.UTC)
     proc = subprocess.run([sys.executable, "-m", "p2pfl.cli", "certs", "--config", str(cfg), "--out",
                            str(tmp_path / "certs")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    expiry = (dt.datetime.now(dt.UTC) + dt.timedelta(days=365)).strftime("%Y-%m-%d")
-    assert f"expire on {expiry}" in proc.stdout, proc.stdout
+    # the date is taken on both sides of the command: UTC midnight may pass while it runs
+    expiries = {(t + dt.timedelta(days=365)).strftime("%Y-%m-%d") for t in (before, dt.datetime.now(dt.UTC))}
+    assert any(f"expire on {e}" in proc.stdout for e in expiries), proc.stdout
     own = check_own_certificate(TLSConfig.load(tmp_path / "certs", "p0"))
     assert 364 < own.days_left() <= 365
     m = NodeMetrics("p0", ["p1"], 3)
