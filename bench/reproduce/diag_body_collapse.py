@@ -49,8 +49,8 @@ def _open(folder: Path, name: str) -> Any:
     raise SystemExit(f"{folder}: has neither {name} nor {name}.gz")
 
 
-def final_accuracies(folder: Path) -> tuple[int, dict[str, float]]:
-    """(last evaluated round, each peer's accuracy at it)."""
+def accuracies_by_round(folder: Path) -> dict[int, dict[str, float]]:
+    """Every evaluated round's accuracy of each peer (rounds without an evaluation are left out)."""
     by_round: dict[int, dict[str, float]] = {}
     with _open(folder, "metrics.jsonl") as f:
         for line in f:
@@ -59,6 +59,12 @@ def final_accuracies(folder: Path) -> tuple[int, dict[str, float]]:
                 by_round.setdefault(int(rec["round"]), {})[str(rec["peer"])] = float(rec["acc"])
     if not by_round:
         raise SystemExit(f"{folder}/metrics.jsonl: no evaluated round")
+    return by_round
+
+
+def final_accuracies(folder: Path) -> tuple[int, dict[str, float]]:
+    """(last evaluated round, each peer's accuracy at it)."""
+    by_round = accuracies_by_round(folder)
     last = max(by_round)
     return last, by_round[last]
 

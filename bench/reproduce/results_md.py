@@ -912,7 +912,11 @@ AUTHORS_SETTINGS = (
     "200 rounds: `Main.py:186`",
     "the personal part is every parameter named `classifier` or `out` (`Utils.py:747-748`): for Fashion-MNIST "
     "`alex_fmnist`'s 3-layer classifier 256→128→128→10 (`Models/Alex.py:23-31`)",
-    "uniform weights over self and neighbours, mix, then train, then evaluate: `Main.py:127-142`",
+    "uniform weights over self and neighbours, mix, then train: `Main.py:127-142`",
+    "no evaluation in the round loop (`PFL.Logging`, `Main.py:45-47`, scores every client and discards it, and "
+    "nothing calls it; `Main.py:16` and `:31` stop the file before round 0 as uploaded), so which round and which "
+    "mean Table 1 reports is not in the code; a client's own score is correct / samples on its local test set, "
+    "`None` at 10 samples or fewer (`Sims.py:347-370`): Discussion, \"The metric the authors' code leaves open\"",
     "Random graph = Erdős–Rényi p = 0.25: `Main.py:38`, `Utils.py:452`",
     "D-PSGD: the same optimizer with full local epochs (`way1`): `Utils.py:823-827`",
 )
