@@ -6,6 +6,7 @@ import gzip
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -59,3 +60,51 @@ def test_a_cell_whose_peers_do_not_match_its_partition_is_refused(tmp_path: Path
         diag.read_cell(_cell(tmp_path / "s" / "c", recs, [20, 20]))
     with pytest.raises(SystemExit, match="not of the form pN"):
         diag.readings({0: {"alice": 0.5}}, [20])
+
+
+def _row(cell: str, final: float) -> diag.Readings:
+    return diag.Readings(cell=cell, rounds=100, final_mean=final, over_10=final + 1, pooled=final + 2,
+                         best_round=final + 3, best_round_at=9, peers=2, peers_dropped=0)
+
+
+def test_seed_files_of_one_sweep_pool_into_one_group_and_other_sweeps_do_not() -> None:
+    rows = [_row("t1-ring-pi0.1-seed0/dpsgd__seed=0", 80.0), _row("t1-ring-pi0.1-seeds12/dpsgd__seed=1", 82.0),
+            _row("t1-ring-pi0.1-seeds12/dpsgd__seed=2", 84.0), _row("t1-ring-pi0.1-authors/dpsgd__seed=0", 90.0),
+            _row("t1-ring-pi0.1-authors/dpsgd-authors__seed=0", 70.0)]
+    groups = {g.group: g for g in diag.seed_groups(rows)}
+    assert list(groups) == ["t1-ring-pi0.1/dpsgd", "t1-ring-pi0.1-authors/dpsgd", "t1-ring-pi0.1-authors/dpsgd-authors"]
+    g = groups["t1-ring-pi0.1/dpsgd"]
+    assert g.seeds == [0, 1, 2] and math.isclose(g.mean["final_mean"], 82.0) and math.isclose(g.std["final_mean"], 2.0)
+    assert math.isclose(g.mean["best_round"], 85.0)
+    one = groups["t1-ring-pi0.1-authors/dpsgd"]
+    assert one.seeds == [0] and one.std["pooled"] == 0.0  # one seed: no spread, not a NaN
+    assert diag.group_row(g) == "82.00 ± 2.00 | 83.00 ± 2.00 | 84.00 ± 2.00 | 85.00 ± 2.00"
+
+
+def test_a_seed_twice_in_one_group_or_a_nameless_cell_is_refused() -> None:
+    with pytest.raises(SystemExit, match="seed listed twice"):
+        diag.seed_groups([_row("t1-x-seed0/a__seed=0", 1.0), _row("t1-x/a__seed=0", 2.0)])
+    with pytest.raises(SystemExit, match="not of the form SWEEP/CASE__seed=N"):
+        diag.seed_groups([_row("t1-x/a", 1.0)])
+
+
+def test_the_committed_readme_quotes_the_committed_readings() -> None:
+    """Every row of the README's two tables is what readings.json holds, and its groups follow from its cells."""
+    folder = Path(__file__).parents[1] / "docs/results/diagnostics/metric-readings"
+    data = json.loads((folder / "readings.json").read_text())
+    cells = [diag.Readings(**c) for c in data["cells"]]
+    groups = diag.seed_groups(cells)
+    assert [json.loads(json.dumps(diag.asdict(g))) for g in groups] == data["groups"]
+    readme = (folder / "README.md").read_text()
+    cell_rows = {m[1]: m[0] for m in re.findall(r"^(\| (t1-\S+__seed=\d+) \|.*)$", readme, re.M)}
+    assert sorted(cell_rows) == sorted(c.cell for c in cells)
+    for c in cells:
+        assert cell_rows[c.cell] == (f"| {c.cell} | {c.final_mean:.2f} | {c.over_10:.2f} | {c.pooled:.2f} | "
+                                     f"{c.best_round:.2f} ({c.best_round_at}) | {c.peers_dropped} of {c.peers} |")
+    quoted = re.findall(r"^\| 0\.\d \| [^|]+ \| `([^`]+)`: ([\d,]+) \| ([^|]+\|[^|]+\|[^|]+\|[^|]+)\|", readme, re.M)
+    assert len(quoted) >= 17
+    by = {g.group: g for g in groups}
+    for name, seeds, row in quoted:
+        g = by[name]
+        assert seeds == ",".join(map(str, g.seeds)), name
+        assert row.strip() == diag.group_row(g), name

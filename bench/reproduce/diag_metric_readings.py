@@ -19,12 +19,16 @@ Reads cells only; writes nothing but its report::
 
     python bench/reproduce/diag_metric_readings.py docs/results/runs/t1-ring-pi0.1-authors/deprl-authors__seed=0 ...
 
-Prints one Markdown row per cell, then one JSON line with every reading.
+Prints one Markdown row per cell, then one row per seed group (mean ± sample std over the seeds of one
+method: a sweep's ``-seed0``/``-seeds12`` files hold seeds of the same method, so they pool), then one JSON
+line with every reading and every group. The group rows are what the README's seed-mean table quotes
+(``tests/test_diag_metric_readings.py`` checks the committed README against the committed JSON line).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -89,6 +93,45 @@ def read_cell(cell: Path) -> Readings:
     return readings(accuracies_by_round(cell), n_test, f"{cell.parent.name}/{cell.name}")
 
 
+#: ``t1-ring-pi0.1-seeds12/dpsgd__seed=2`` -> sweep ``t1-ring-pi0.1`` (the seed files of one sweep pool), case ``dpsgd``
+CELL_NAME = re.compile(r"^(?P<sweep>.+?)(?:-seed0|-seeds12)?/(?P<case>.+)__seed=(?P<seed>\d+)$")
+READINGS = ("final_mean", "over_10", "pooled", "best_round")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One method's seeds pooled: each reading's mean and sample std (0 for one seed), %."""
+
+    group: str
+    seeds: list[int]
+    mean: dict[str, float]
+    std: dict[str, float]
+
+
+def seed_groups(rows: list[Readings]) -> list[Group]:
+    """The cells grouped by ``sweep/case`` (seed files of one sweep pooled), in first-seen order."""
+    by: dict[str, list[tuple[int, Readings]]] = {}
+    for r in rows:
+        m = CELL_NAME.match(r.cell)
+        if m is None:
+            raise SystemExit(f"cell {r.cell!r} is not of the form SWEEP/CASE__seed=N")
+        by.setdefault(f"{m['sweep']}/{m['case']}", []).append((int(m["seed"]), r))
+    out = []
+    for name, members in by.items():
+        seeds = sorted(s for s, _ in members)
+        if len(set(seeds)) != len(seeds):
+            raise SystemExit(f"group {name}: seed listed twice ({seeds})")
+        vals = {k: [getattr(r, k) for _, r in members] for k in READINGS}
+        out.append(Group(name, seeds, {k: statistics.fmean(v) for k, v in vals.items()},
+                         {k: statistics.stdev(v) if len(v) > 1 else 0.0 for k, v in vals.items()}))
+    return out
+
+
+def group_row(g: Group) -> str:
+    """The Markdown cells of a group's readings, as the README quotes them: ``mean ± std`` each."""
+    return " | ".join(f"{g.mean[k]:.2f} ± {g.std[k]:.2f}" for k in READINGS)
+
+
 def main(cells: list[Path]) -> None:
     rows = [read_cell(c) for c in cells]
     print("| cell | final mean | over >10 | pooled | best round (at) | peers dropped by >10 |")
@@ -96,7 +139,14 @@ def main(cells: list[Path]) -> None:
     for r in rows:
         print(f"| {r.cell} | {r.final_mean:.2f} | {r.over_10:.2f} | {r.pooled:.2f} | "
               f"{r.best_round:.2f} ({r.best_round_at}) | {r.peers_dropped} of {r.peers} |")
-    print(json.dumps({"diag": "metric_readings", "cells": [asdict(r) for r in rows]}))
+    groups = seed_groups(rows)
+    print()
+    print("| group | seeds | final mean | over >10 | pooled | best round |")
+    print("|---|---|---|---|---|---|")
+    for g in groups:
+        print(f"| {g.group} | {','.join(map(str, g.seeds))} | {group_row(g)} |")
+    print(json.dumps({"diag": "metric_readings", "cells": [asdict(r) for r in rows],
+                      "groups": [asdict(g) for g in groups]}))
 
 
 if __name__ == "__main__":
