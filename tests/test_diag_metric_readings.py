@@ -99,8 +99,7 @@ def test_the_committed_readme_quotes_the_committed_readings() -> None:
     cell_rows = {m[1]: m[0] for m in re.findall(r"^(\| (t1-\S+__seed=\d+) \|.*)$", readme, re.M)}
     assert sorted(cell_rows) == sorted(c.cell for c in cells)
     for c in cells:
-        assert cell_rows[c.cell] == (f"| {c.cell} | {c.final_mean:.2f} | {c.over_10:.2f} | {c.pooled:.2f} | "
-                                     f"{c.best_round:.2f} ({c.best_round_at}) | {c.peers_dropped} of {c.peers} |")
+        assert cell_rows[c.cell] == diag.cell_row(c)
     quoted = re.findall(r"^\| 0\.\d \| [^|]+ \| `([^`]+)`: ([\d,]+) \| ([^|]+\|[^|]+\|[^|]+\|[^|]+)\|", readme, re.M)
     assert len(quoted) >= 17
     by = {g.group: g for g in groups}

@@ -93,6 +93,12 @@ def read_cell(cell: Path) -> Readings:
     return readings(accuracies_by_round(cell), n_test, f"{cell.parent.name}/{cell.name}")
 
 
+def cell_row(r: Readings) -> str:
+    """One cell's Markdown row, as the README's per-cell table quotes it."""
+    return (f"| {r.cell} | {r.final_mean:.2f} | {r.over_10:.2f} | {r.pooled:.2f} | "
+            f"{r.best_round:.2f} ({r.best_round_at}) | {r.peers_dropped} of {r.peers} |")
+
+
 #: ``t1-ring-pi0.1-seeds12/dpsgd__seed=2`` -> sweep ``t1-ring-pi0.1`` (the seed files of one sweep pool), case ``dpsgd``
 CELL_NAME = re.compile(r"^(?P<sweep>.+?)(?:-seed0|-seeds12)?/(?P<case>.+)__seed=(?P<seed>\d+)$")
 READINGS = ("final_mean", "over_10", "pooled", "best_round")
@@ -137,8 +143,7 @@ def main(cells: list[Path]) -> None:
     print("| cell | final mean | over >10 | pooled | best round (at) | peers dropped by >10 |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.cell} | {r.final_mean:.2f} | {r.over_10:.2f} | {r.pooled:.2f} | "
-              f"{r.best_round:.2f} ({r.best_round_at}) | {r.peers_dropped} of {r.peers} |")
+        print(cell_row(r))
     groups = seed_groups(rows)
     print()
     print("| group | seeds | final mean | over >10 | pooled | best round |")
